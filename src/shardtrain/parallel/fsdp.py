@@ -1,0 +1,209 @@
+"""Apply FSDP2 to a model from outside: choose units, checkpoint activations, `fully_shard`, root last.
+
+Order (as torchtitan's `parallelize_*`): activation checkpointing on each unit -> `fully_shard` each unit
+(post-order, so nested units come first) -> one non-resharding unit for final norm + lm_head -> root.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
+from shardtrain.parallel.mesh import build_dp_mesh
+
+logger = logging.getLogger(__name__)
+
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tied_parameter_ids(model: nn.Module) -> set[int]:
+    """ids of parameters reachable under more than one module (e.g. tied input/output embeddings)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            seen[id(param)] = seen.get(id(param), 0) + 1
+    return {pid for pid, count in seen.items() if count > 1}
+
+
+def _contains_tied(module: nn.Module, tied: set[int]) -> bool:
+    return any(id(p) in tied for p in module.parameters())
+
+
+def _layer_class_names(model: nn.Module, config: FSDPConfig) -> list[str]:
+    names = list(config.transformer_layer_cls_to_wrap)
+    if names:
+        return names
+    no_split = getattr(model, "_no_split_modules", None) or []
+    if not no_split:
+        raise FSDPConfigError(
+            f"fsdp_config key 'transformer_layer_cls_to_wrap' is empty and {type(model).__name__} declares no "
+            f"_no_split_modules; name the layer class(es) to wrap, e.g. "
+            f"{sorted({type(m).__name__ for m in model.modules()})[:8]}, or use 'SIZE_BASED_WRAP'")
+    return list(no_split)
+
+
+def find_fsdp_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
+    """Modules that become their own FSDP unit under `config.auto_wrap_policy` (root excluded), in post-order.
+
+    Raises:
+        FSDPConfigError: a requested layer class that the model does not contain.
+    """
+    if config.auto_wrap_policy == "NO_WRAP":
+        return []
+    tied = tied_parameter_ids(model)
+    if config.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        wanted = _layer_class_names(model, config)
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [name for name in wanted if name not in present]
+        # `_no_split_modules` may list classes of other architectures in the same file; only explicit names must exist.
+        if config.transformer_layer_cls_to_wrap and missing:
+            raise FSDPConfigError(
+                f"fsdp_config key 'transformer_layer_cls_to_wrap' names {missing} which "
+                f"{type(model).__name__} does not contain; its classes are {sorted(present)}")
+        if not config.transformer_layer_cls_to_wrap and len(missing) == len(wanted):
+            raise FSDPConfigError(
+                f"{type(model).__name__}._no_split_modules = {wanted} matches no module; set fsdp_config key "
+                f"'transformer_layer_cls_to_wrap' to one of {sorted(present)}")
+        units = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+        return _post_order(model, [u for u in units if not _contains_tied(u, tied)])
+    return _size_based_units(model, config.min_num_params, tied)
+
+
+def _post_order(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    order = {id(m): i for i, m in enumerate(_modules_post_order(model))}
+    return sorted(units, key=lambda m: order[id(m)])
+
+
+def _modules_post_order(module: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for child in module.children():
+        out.extend(_modules_post_order(child))
+    out.append(module)
+    return out
+
+
+def _size_based_units(model: nn.Module, min_num_params: int, tied: set[int]) -> list[nn.Module]:
+    """Bottom-up: a module is a unit when the parameters not already in a unit below it reach the threshold."""
+    units: list[nn.Module] = []
+    claimed: set[int] = set()
+    for module in _modules_post_order(model):
+        if module is model or isinstance(module, nn.ModuleList | nn.ModuleDict) or _contains_tied(module, tied):
+            continue
+        free = [p for p in module.parameters() if id(p) not in claimed]
+        if free and sum(p.numel() for p in free) >= min_num_params:
+            units.append(module)
+            claimed.update(id(p) for p in free)
+    return units
+
+
+def _output_unit(model: nn.Module, units: list[nn.Module], tied: set[int]) -> list[nn.Module]:
+    """Final norm + lm_head: used last in forward, first in backward, so one unit that stays gathered."""
+    get_out = getattr(model, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    if head is None or _contains_tied(head, tied) or any(head is u for u in units):
+        return []
+    modules = [head]
+    base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module) and base is not model:
+        for name in _FINAL_NORM_NAMES:
+            norm = getattr(base, name, None)
+            if isinstance(norm, nn.Module) and not any(norm is u for u in units) and not _contains_tied(norm, tied):
+                modules.insert(0, norm)
+                break
+    return modules
+
+
+def _wrap_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Replace each unit in its parent by a `checkpoint_wrapper` around it; returns the wrappers."""
+    wrapped: list[nn.Module] = []
+    targets = {id(u) for u in units}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                wrapper = checkpoint_wrapper(child, preserve_rng_state=True)
+                parent.register_module(name, wrapper)
+                wrapped.append(wrapper)
+    order = {id(u): i for i, u in enumerate(units)}
+    return sorted(wrapped, key=lambda w: order[id(w._checkpoint_wrapped_module)])
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every FSDP unit of a sharded model, root included."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    fsdp_config: FSDPConfig | dict | str | None = None,
+    mesh: DeviceMesh | None = None,
+    *,
+    mixed_precision: str | None = None,
+) -> nn.Module:
+    """Shard `model` in place with FSDP2 according to `fsdp_config` and return it.
+
+    Args:
+        model: any module (Hugging Face models get `_no_split_modules` and `generate` support).
+        fsdp_config: an `FSDPConfig`, dict or JSON path.
+        mesh: data-parallel mesh; default from the config (1-D shard, or 2-D replicate x shard).
+        mixed_precision: "bf16"/"fp16" overrides the config's `mixed_precision`.
+
+    Raises:
+        FSDPConfigError: bad wrap settings, or `xla` set without torch_xla.
+    """
+    config = FSDPConfig.load(fsdp_config)
+    if config.xla:
+        from shardtrain.parallel.xla import apply_xla_fsdp
+
+        return apply_xla_fsdp(model, config)
+    if not dist.is_initialized():
+        raise RuntimeError("apply_fsdp needs a process group: call shardtrain.init_distributed() first")
+    mesh = mesh if mesh is not None else build_dp_mesh(config)
+    precision = mixed_precision or config.mixed_precision
+    mp_policy = MixedPrecisionPolicy()
+    if precision in _DTYPES:
+        mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if config.cpu_offload \
+        else OffloadPolicy()
+    common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
+
+    tied = tied_parameter_ids(model)
+    units = find_fsdp_units(model, config)
+    head = _output_unit(model, units, tied) if config.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" else []
+    if config.activation_checkpointing:
+        if not units:
+            raise FSDPConfigError("fsdp_config 'activation_checkpointing' needs FSDP units to checkpoint, but "
+                                  "auto_wrap_policy found none; use TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP")
+        units = _wrap_checkpointing(model, units)
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            # A KV cache filled in forward would be filled again by the recomputation (as HF does for
+            # gradient checkpointing, turn it off for training; generate still works, without cache reuse).
+            model.config.use_cache = False
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **common)
+    if head:
+        fully_shard(head if len(head) > 1 else head[0], reshard_after_forward=False, **common)
+    fully_shard(model, reshard_after_forward=config.reshard_after_forward, **common)
+
+    if dist.get_backend() == "gloo":
+        # gloo has no AVG/PREMUL_SUM: reduce with SUM and divide afterwards.
+        for module in fsdp_modules(model):
+            module.set_force_sum_reduction_for_comms(True)
+    if callable(getattr(model, "generate", None)):
+        register_fsdp_forward_method(model, "generate")
+    logger.info("FSDP2 applied: %d units + %s root, mesh %s", len(units), "head unit +" if head else "", mesh)
+    return model

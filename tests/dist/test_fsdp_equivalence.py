@@ -1,0 +1,70 @@
+"""N-rank FSDP2 training equals one-process training on the same global batch (losses and weights)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import python, torchrun
+
+WORKER = Path(__file__).parent / "workers" / "fsdp_equivalence.py"
+CASES = {
+    "default": {},
+    "reshard_false": {"reshard_after_forward": False},
+    "activation_checkpointing": {"activation_checkpointing": True},
+    "size_based": {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000},
+    "no_wrap": {"auto_wrap_policy": "NO_WRAP"},
+    "no_shard": {"fsdp_sharding_strategy": "no_shard"},
+    "cpu_offload": {"cpu_offload": True},
+    "tied": {},
+    "tied_checkpointing": {"activation_checkpointing": True, "reshard_after_forward": False},
+}
+FOUR_RANK_ONLY = {"hybrid_shard": {"sharding_strategy": "hybrid_shard", "dp_shard_size": 2},
+                  "hybrid_shard_zero2": {"sharding_strategy": 5, "dp_shard_size": 2}}
+TWO_RANK_ONLY = {"bf16": {"mixed_precision": "bf16"}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("equiv")
+    python(WORKER, str(root / "ref"), json.dumps({"plain": None, "plain_tied": None}))
+    torchrun(WORKER, 2, str(root / "n2"), json.dumps({**CASES, **TWO_RANK_ONLY}))
+    torchrun(WORKER, 4, str(root / "n4"), json.dumps({**CASES, **FOUR_RANK_ONLY}))
+    return root
+
+
+def _load(root: Path, run: str, case: str) -> tuple[dict, dict]:
+    return json.loads((root / run / f"{case}.json").read_text()), torch.load(root / run / f"{case}.pt")
+
+
+@pytest.mark.parametrize("world,case", [(2, c) for c in CASES] + [(4, c) for c in {**CASES, **FOUR_RANK_ONLY}])
+def test_matches_single_process(runs, world, case):
+    ref_name = "plain_tied" if "tied" in case else "plain"
+    ref, ref_weights = _load(runs, "ref", ref_name)
+    got, weights = _load(runs, f"n{world}", case)
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
+    assert ref["losses"][-1] != ref["losses"][0]  # the weights did move
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], atol=1e-5, rtol=0, msg=key)
+    assert got["tied"] == ("tied" in case)
+    assert got["generated"] == ref["generated"]
+
+
+@pytest.mark.parametrize("world,case", [(2, "default"), (4, "default"), (2, "tied"), (4, "hybrid_shard")])
+def test_parameter_memory_is_one_over_n(runs, world, case):
+    got, _ = _load(runs, f"n{world}", case)
+    shard_ways = 2 if case.startswith("hybrid") else world
+    assert got["local_numels"] == [got["full_numel"] // shard_ways] * world
+
+
+def test_no_shard_replicates(runs):
+    got, _ = _load(runs, "n2", "no_shard")
+    assert got["local_numels"] == [got["full_numel"]] * 2
+
+
+def test_bf16_close_to_fp32(runs):
+    ref, _ = _load(runs, "ref", "plain")
+    got, _ = _load(runs, "n2", "bf16")
+    assert got["losses"] == pytest.approx(ref["losses"], abs=5e-3)
+    assert got["losses"] != ref["losses"]  # really ran in bf16

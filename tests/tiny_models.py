@@ -1,0 +1,22 @@
+"""Tiny models built from configs (no downloads) and deterministic data for tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, vocab: int = 64, hidden: int = 32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tie, attn_implementation="eager")
+    model = LlamaForCausalLM(config)
+    if tie:
+        model.tie_weights()
+    return model
+
+
+def token_batches(steps: int, batch: int, seq: int = 12, vocab: int = 64, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]

@@ -1,0 +1,45 @@
+"""Which modules become FSDP units, decided on one process without any sharding."""
+
+import pytest
+from tiny_models import tiny_llama
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from shardtrain import FSDPConfig, FSDPConfigError
+from shardtrain.parallel.fsdp import _output_unit, find_fsdp_units, tied_parameter_ids
+
+
+def test_transformer_wrap_falls_back_to_no_split_modules():
+    model = tiny_llama(layers=3)
+    units = find_fsdp_units(model, FSDPConfig.load({}))
+    assert [type(u) for u in units] == [LlamaDecoderLayer] * 3
+
+
+def test_unknown_layer_class_lists_model_classes():
+    with pytest.raises(FSDPConfigError) as err:
+        find_fsdp_units(tiny_llama(), FSDPConfig.load({"transformer_layer_cls_to_wrap": "LlamaDecoderLayr"}))
+    message = str(err.value)
+    assert "transformer_layer_cls_to_wrap" in message and "LlamaDecoderLayr" in message
+    assert "LlamaDecoderLayer" in message and "LlamaRMSNorm" in message
+
+
+def test_size_based_wrap_threshold():
+    model = tiny_llama()
+    units = find_fsdp_units(model, FSDPConfig.load({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000}))
+    assert units and all(sum(p.numel() for p in u.parameters()) >= 2000 for u in units)
+    assert model not in units
+    none = find_fsdp_units(model, FSDPConfig.load({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 10**9}))
+    assert none == []
+
+
+def test_no_wrap_has_no_units():
+    assert find_fsdp_units(tiny_llama(), FSDPConfig.load({"auto_wrap_policy": "NO_WRAP"})) == []
+
+
+def test_output_unit_is_norm_and_head_unless_tied():
+    model = tiny_llama()
+    assert _output_unit(model, [], tied_parameter_ids(model)) == [model.model.norm, model.lm_head]
+    tied = tiny_llama(tie=True)
+    assert _output_unit(tied, [], tied_parameter_ids(tied)) == []
+    # tied params never go to a size-based unit of their own (that would untie them)
+    units = find_fsdp_units(tied, FSDPConfig.load({"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 100}))
+    assert tied.model.embed_tokens not in units and tied.lm_head not in units
