@@ -20,3 +20,10 @@ def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, vocab: int = 6
 def token_batches(steps: int, batch: int, seq: int = 12, vocab: int = 64, seed: int = 1) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]
+
+
+def variable_length_dataset(n: int = 96, vocab: int = 64, min_len: int = 4, max_len: int = 16, seed: int = 3) -> list:
+    """Samples of different lengths (so batches are padded), as a list of dicts."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=gen).tolist()
+    return [{"input_ids": torch.randint(1, vocab, (length,), generator=gen).tolist()} for length in lengths]

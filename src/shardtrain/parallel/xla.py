@@ -20,9 +20,8 @@ def apply_xla_fsdp(model: nn.Module, config: FSDPConfig) -> nn.Module:
                               "torch_xla on a TPU host, or set 'xla': false to use FSDP2 on CPU/GPU")
     if config.xla_fsdp_v2:  # pragma: no cover - needs a TPU
         import torch_xla.distributed.spmd as xs
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
-
         import torch_xla.runtime as xr
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
         num_devices = xr.global_runtime_device_count()
         mesh = xs.Mesh(list(range(num_devices)), (num_devices, 1), ("fsdp", "tensor"))

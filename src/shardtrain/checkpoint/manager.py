@@ -1,0 +1,301 @@
+"""`CheckpointManager`: save / load / latest / close over the model, optimizer, scheduler and trainer state.
+
+Layout of `output_dir/checkpoint-<step>/`:
+    config.json                     model config (what `merge` and `from_pretrained` need)
+    model.safetensors (+ index)     FULL_STATE_DICT: the gathered model, loadable by `from_pretrained`
+    optimizer/                      FULL_STATE_DICT: optimizer state through DCP (one file per rank)
+    sharded/                        SHARDED_STATE_DICT: model + optimizer through DCP (one file per rank)
+    scheduler.json, trainer_state.json, rng_state_<rank>.pt
+
+Crash safety: everything is written under `.tmp-checkpoint-<step>`; when every rank has finished, rank 0
+fsyncs the files and renames the directory (atomic on one filesystem; multi-node runs need a shared one).
+So a directory named `checkpoint-<step>` is always complete, and rotation runs only after the new one exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from shardtrain.checkpoint.errors import CheckpointError
+from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
+from shardtrain.parallel.distributed import barrier
+
+PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-checkpoint-"
+_NAME = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
+    """The Hugging Face config of `model` as a dict (None for plain modules)."""
+    config = getattr(model, "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") else None
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model gathered on CPU on rank 0 (empty on other ranks); every rank must call it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors (loadable with weights_only=True)."""
+    version, state, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    out = {"python": torch.tensor(state, dtype=torch.int64), "python_version": version, "python_gauss": gauss,
+           "numpy": torch.from_numpy(np_keys.astype(np.int64)), "numpy_pos": int(np_pos),
+           "numpy_has_gauss": int(np_has_gauss), "numpy_gauss": float(np_gauss), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    random.setstate((saved["python_version"], tuple(saved["python"].tolist()), saved["python_gauss"]))
+    np.random.set_state(("MT19937", saved["numpy"].numpy().astype(np.uint32), saved["numpy_pos"],
+                         saved["numpy_has_gauss"], saved["numpy_gauss"]))
+    torch.set_rng_state(saved["torch"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+
+
+def checkpoint_kind(path: Path) -> str:
+    """"SHARDED_STATE_DICT" or "FULL_STATE_DICT" from the files present."""
+    if (path / "sharded").is_dir():
+        return "SHARDED_STATE_DICT"
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return "FULL_STATE_DICT"
+    raise CheckpointError(f"{path} holds no model (no sharded/ and no model.safetensors); pass a checkpoint-<step> "
+                          "directory written by shardtrain")
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*"), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves and restores a training run. All ranks call every method (they are collective).
+
+    Args:
+        output_dir: where `checkpoint-<step>` directories live.
+        model, optimizer, scheduler: the objects to save; optimizer/scheduler may be None (model only).
+        state_dict_type: "FULL_STATE_DICT" or "SHARDED_STATE_DICT".
+        save_total_limit: keep at most this many checkpoints (the best one is never deleted).
+    """
+
+    def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
+                 save_total_limit: int | None = None) -> None:
+        self.output_dir = Path(output_dir)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.state_dict_type = state_dict_type
+        self.save_total_limit = save_total_limit
+        self.rank = dist.get_rank()
+
+    # -- public API -----------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, *, model_only: bool = False) -> Path:
+        """Write `checkpoint-<step>` atomically and rotate old ones; returns its path.
+
+        `state` is the trainer state: anything with `.save(path)` and a `best_model_checkpoint` attribute.
+        """
+        final = self.output_dir / f"{PREFIX}{step}"
+        tmp = self.output_dir / f"{TMP_PREFIX}{step}"
+        if self.rank == 0:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        with_optim = self.optimizer is not None and not model_only
+        if self.state_dict_type == "SHARDED_STATE_DICT":
+            payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+            if with_optim:
+                payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            dcp.save(payload, checkpoint_id=str(tmp / "sharded"))
+        else:
+            full = full_model_state(self.model)
+            if self.rank == 0:
+                write_full_checkpoint(full, tmp, None)
+            del full
+            if with_optim:
+                dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
+                         checkpoint_id=str(tmp / "optimizer"))
+        torch.save(rng_state(), tmp / f"rng_state_{self.rank}.pt")
+        if self.rank == 0:
+            config = model_config_dict(self.model)
+            if config is not None:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            if self.scheduler is not None and not model_only:
+                (tmp / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
+            state.save(tmp / "trainer_state.json")
+        barrier()
+        if self.rank == 0:
+            _fsync_tree(tmp)
+            if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
+                old = self.output_dir / f"{TMP_PREFIX}{step}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(final)
+            _fsync_dir(self.output_dir)
+            self._rotate(keep=state.best_model_checkpoint)
+        barrier()
+        return final
+
+    def latest(self) -> Path | None:
+        """Newest complete checkpoint under `output_dir`, or None."""
+        found = self.list_checkpoints(self.output_dir)
+        return found[-1] if found else None
+
+    def load(self, path: str | Path, *, weights_only: bool = False) -> dict[str, Any] | None:
+        """Restore model (and unless `weights_only`, optimizer, scheduler, RNG) from `path`.
+
+        Returns:
+            The saved trainer state as a dict (None when `weights_only`).
+
+        Raises:
+            CheckpointError: missing/corrupt files or a checkpoint of another model (names the first bad key).
+        """
+        path = Path(path)
+        if not (path / "trainer_state.json").is_file():
+            raise CheckpointError(f"{path} is not a complete shardtrain checkpoint (no trainer_state.json); "
+                                  f"use resume_from_checkpoint=True to pick the newest complete one")
+        kind = checkpoint_kind(path)
+        self._check_shapes(path, kind)
+        load_optim = self.optimizer is not None and not weights_only
+        try:
+            if kind == "SHARDED_STATE_DICT":
+                self._load_sharded(path, load_optim)
+            else:
+                self._load_full(path, load_optim)
+        except CheckpointError:
+            raise
+        except Exception as err:  # DCP / safetensors errors on damaged files
+            raise CheckpointError(f"could not read checkpoint {path}: {type(err).__name__}: {err}. The files are "
+                                  f"corrupt or truncated; resume from an earlier checkpoint") from err
+        if weights_only:
+            return None
+        if self.scheduler is not None and (path / "scheduler.json").is_file():
+            self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+        rng_file = path / f"rng_state_{self.rank}.pt"
+        if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        return json.loads((path / "trainer_state.json").read_text())
+
+    def close(self) -> None:
+        barrier()
+
+    # -- internals ------------------------------------------------------------------------------------
+    @staticmethod
+    def list_checkpoints(output_dir: str | Path) -> list[Path]:
+        """Complete checkpoints, oldest first (temporary directories never match)."""
+        root = Path(output_dir)
+        if not root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
+                 and (p / "trainer_state.json").is_file()]
+        return [p for _, p in sorted(found)]
+
+    def _rotate(self, keep: str | None) -> None:
+        if not self.save_total_limit:
+            return
+        found = self.list_checkpoints(self.output_dir)
+        protected = {found[-1]} | ({Path(keep)} if keep else set())
+        excess = len(found) - self.save_total_limit
+        for path in found:
+            if excess <= 0:
+                break
+            if path not in protected:
+                shutil.rmtree(path)
+                excess -= 1
+
+    def _check_shapes(self, path: Path, kind: str) -> None:
+        expected = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        if kind == "SHARDED_STATE_DICT":
+            try:
+                meta = dcp.FileSystemReader(str(path / "sharded")).read_metadata().state_dict_metadata
+            except Exception as err:
+                raise CheckpointError(f"{path / 'sharded'} has no readable metadata ({err}); the checkpoint is "
+                                      "corrupt or incomplete") from err
+            saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
+                     if k.startswith("model.") and hasattr(v, "size")}
+        else:
+            saved = read_full_shapes(path)
+        tied = _tied_aliases(self.model)
+        for key, shape in expected.items():
+            got = saved.get(key, saved.get(tied.get(key, ""), None))
+            if got is None:
+                raise CheckpointError(f"checkpoint {path} does not match the model: key {key!r} is missing "
+                                      f"(it was saved from a different model)")
+            if tuple(got) != shape:
+                raise CheckpointError(f"checkpoint {path} does not match the model: key {key!r} has shape "
+                                      f"{tuple(got)} in the checkpoint but {shape} in the model")
+        extra = sorted(set(saved) - set(expected))
+        if extra:
+            raise CheckpointError(f"checkpoint {path} does not match the model: unexpected key {extra[0]!r}")
+
+    def _load_sharded(self, path: Path, load_optim: bool) -> None:
+        payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        if load_optim:
+            payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.load(payload, checkpoint_id=str(path / "sharded"))
+        set_model_state_dict(self.model, payload["model"])
+        if load_optim:
+            set_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
+
+    def _load_full(self, path: Path, load_optim: bool) -> None:
+        full = read_full_checkpoint(path) if self.rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(self.model, full, options=options)
+        del full
+        if load_optim:
+            if not (path / "optimizer").is_dir():
+                raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "
+                                      "a new run's weights but not resume one")
+            optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(optim, checkpoint_id=str(path / "optimizer"))
+            set_optimizer_state_dict(self.model, self.optimizer, optim["optimizer"])
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, str]:
+    """name -> first name of the same parameter, for parameters reachable under several names."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        clean = name.replace("_checkpoint_wrapped_module.", "")
+        if id(param) in first:
+            aliases[clean] = first[id(param)]
+        else:
+            first[id(param)] = clean
+    return aliases

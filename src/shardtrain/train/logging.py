@@ -1,0 +1,82 @@
+"""Rank-0 reporting: progress bar (loss, learning rate, tokens/s, ETA), metrics.jsonl, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from shardtrain.train.arguments import TrainingArguments
+
+
+def peak_memory_mb() -> float:
+    """Peak resident memory of this process (CPU), or peak allocated GPU memory, in MiB."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class MetricsLogger:
+    """Writes every log entry to `output_dir/metrics.jsonl` (and TensorBoard) on rank 0, drives the bar."""
+
+    def __init__(self, args: TrainingArguments, is_main: bool) -> None:
+        self.args, self.is_main = args, is_main
+        self.bar: tqdm | None = None
+        self.writer = None
+        self.tokens = 0
+        self.started = time.perf_counter()
+        self.last_logs: dict[str, Any] = {}
+        if is_main and "tensorboard" in args.report_to:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ImportError("report_to includes 'tensorboard' but the tensorboard package is missing; "
+                                  "pip install tensorboard, or drop it from report_to") from err
+            self.writer = SummaryWriter(log_dir=str(Path(args.output_dir) / "runs"))
+
+    def start(self, step: int, max_steps: int) -> None:
+        self.tokens, self.started = 0, time.perf_counter()
+        if self.is_main and not self.args.disable_tqdm:
+            self.bar = tqdm(total=max_steps, initial=step, desc="train", dynamic_ncols=True)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
+
+    def step_done(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(1)
+            postfix = {k: f"{self.last_logs[k]:.4g}" for k in ("loss", "learning_rate") if k in self.last_logs}
+            self.bar.set_postfix(postfix | {"tok/s": f"{self.tokens_per_second:.0f}"}, refresh=False)
+
+    def log(self, entry: dict[str, Any]) -> None:
+        self.last_logs.update(entry)
+        if not self.is_main:
+            return
+        if "jsonl" in self.args.report_to:
+            path = Path(self.args.output_dir) / "metrics.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as handle:
+                handle.write(json.dumps(entry) + "\n")
+        if self.writer is not None:
+            for key, value in entry.items():
+                if key not in ("step", "epoch") and isinstance(value, int | float):
+                    self.writer.add_scalar(key, value, entry["step"])
+        line = json.dumps(entry)
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.flush()

@@ -1,0 +1,76 @@
+"""Token-sum losses, so that a step's loss can be normalised by the global number of target tokens."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardtrain.train.data import IGNORE_INDEX
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Causal LMs predict token t+1 at position t: their labels are shifted before the loss."""
+    config = getattr(model, "config", None)
+    return "ForCausalLM" in type(model).__name__ or bool(getattr(config, "is_decoder", False))
+
+
+def _logits(outputs) -> torch.Tensor | None:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = getattr(outputs, "logits", None)
+    if logits is None and isinstance(outputs, dict):
+        logits = outputs.get("logits")
+    return logits
+
+
+class LossComputer:
+    """Computes the summed loss of a batch and the number of items it is summed over.
+
+    Models that return logits get a cross entropy here (labels shifted for causal LMs, -100 ignored);
+    a model that returns only a mean `loss` is scaled back to a sum by its item count.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, bf16_autocast: bool = False) -> None:
+        self.model, self.device = model, device
+        self.shift_labels = is_causal_lm(model)
+        self.bf16_autocast = bf16_autocast
+
+    def items(self, labels: torch.Tensor) -> torch.Tensor:
+        if labels.dim() > 1 and self.shift_labels:
+            labels = labels[:, 1:]
+        return (labels != IGNORE_INDEX).sum()
+
+    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> int:
+        """Target tokens over all micro-batches of all ranks (one all-reduce)."""
+        local = torch.stack([self.items(b["labels"]) for b in batches]).sum().to(torch.int64)
+        dist.all_reduce(local)
+        return int(local.item())
+
+    def _autocast(self):
+        if self.bf16_autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed loss, logits or None)."""
+        labels = batch["labels"]
+        with self._autocast():
+            outputs = self.model(**{k: v for k, v in batch.items() if k != "labels"})
+        logits = _logits(outputs)
+        if logits is None:  # a module that computes its own (mean) loss
+            with self._autocast():
+                outputs = self.model(**batch)
+            return outputs["loss"] * self.items(labels), None
+        if labels.dim() == 1:
+            return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"), logits
+        flat_logits, flat_labels = (logits[:, :-1], labels[:, 1:]) if self.shift_labels else (logits, labels)
+        loss = F.cross_entropy(flat_logits.reshape(-1, flat_logits.shape[-1]).float(), flat_labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss, logits
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.forward(batch)[0]

@@ -1,0 +1,286 @@
+"""`Trainer`: FSDP2 training, evaluation, checkpoints and export behind Hugging Face's Trainer API.
+
+    trainer = Trainer(model, TrainingArguments(output_dir="out", fsdp=True), train_dataset=ds)
+    trainer.train()          # under `shardtrain launch` / torchrun on N ranks, or as one plain process
+
+The loss of a step is the sum over every target token of the global batch (all ranks, all micro-steps)
+divided by the number of those tokens, so a run depends on the global batch only, not on its split.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader
+
+from shardtrain.checkpoint.errors import CheckpointError
+from shardtrain.checkpoint.full import write_full_checkpoint
+from shardtrain.checkpoint.manager import CheckpointManager, full_model_state, model_config_dict
+from shardtrain.parallel.distributed import current_device, init_distributed
+from shardtrain.parallel.fsdp import apply_fsdp
+from shardtrain.parallel.loading import load_pretrained
+from shardtrain.train.arguments import TrainingArguments
+from shardtrain.train.data import BatchPlan, PaddingCollator, PlaceholderDataset, StepBatchSampler
+from shardtrain.train.evaluation import EvalLoop, PredictionOutput
+from shardtrain.train.logging import MetricsLogger
+from shardtrain.train.loss import LossComputer
+from shardtrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Train, evaluate and save a model with FSDP2 (see module docstring).
+
+    Args:
+        model: an `nn.Module` (Hugging Face model or any module whose forward takes the batch keys), or the
+            path of a pretrained directory (loaded on rank 0 only when `cpu_ram_efficient_loading`).
+        args: `TrainingArguments`.
+        train_dataset / eval_dataset: map-style datasets of dicts with `input_ids` (and optionally `labels`,
+            `attention_mask`); `datasets.Dataset` works.
+        data_collator: batches a list of samples; default pads (`PaddingCollator`).
+        compute_metrics: `fn(EvalPrediction) -> dict` run on rank 0 over the whole eval set.
+        callbacks: `TrainerCallback` instances.
+        preprocess_logits_for_metrics: `fn(logits, labels) -> tensor` applied per batch before gathering.
+    """
+
+    def __init__(self, model: nn.Module | str, args: TrainingArguments, train_dataset: Any = None,
+                 eval_dataset: Any = None, data_collator: Callable | None = None,
+                 compute_metrics: Callable | None = None, callbacks: list[TrainerCallback] | None = None,
+                 preprocess_logits_for_metrics: Callable | None = None) -> None:
+        self.args = args
+        init_distributed()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = current_device()
+        set_seed(args.seed)
+        self.model = self._prepare_model(model)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        self.data_collator = data_collator or PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0)
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.callbacks = list(callbacks or [])
+        self.state = TrainerState()
+        self.control = TrainerControl()
+        self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler = None
+        self.logger = MetricsLogger(args, is_main=self.rank == 0)
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def _prepare_model(self, model: nn.Module | str) -> nn.Module:
+        args = self.args
+        config = args.fsdp_config
+        if isinstance(model, str | os.PathLike):
+            return load_pretrained(model, config if args.fsdp_enabled else None,
+                                   mixed_precision=args.mixed_precision, device=self.device)
+        if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.fsdp_enabled:
+            if not isinstance(model, FSDPModule):
+                model.to(self.device)
+                apply_fsdp(model, config, mixed_precision=args.mixed_precision)
+            return model
+        model.to(self.device)
+        if self.world_size > 1:
+            raise ValueError("Trainer runs on several ranks but fsdp is off; set TrainingArguments(fsdp=True) "
+                             "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
+        return model
+
+    def create_optimizer_and_scheduler(self, total_steps: int) -> None:
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model, self.args)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(self.optimizer, self.args, total_steps)
+
+    def _checkpoints(self) -> CheckpointManager:
+        return CheckpointManager(self.args.output_dir, model=self.model, optimizer=self.optimizer,
+                                 scheduler=self.lr_scheduler, state_dict_type=self.args.fsdp_config.state_dict_type,
+                                 save_total_limit=self.args.save_total_limit)
+
+    def _plan(self) -> BatchPlan:
+        args = self.args
+        return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=args.per_device_train_batch_size,
+                         accumulation_steps=args.gradient_accumulation_steps, world_size=self.world_size,
+                         rank=self.rank, seed=args.seed)
+
+    def _loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
+        sampler = StepBatchSampler(plan, epoch, start_step)
+        return DataLoader(PlaceholderDataset(self.train_dataset), batch_sampler=sampler, collate_fn=self.data_collator,
+                          num_workers=self.args.dataloader_num_workers)
+
+    def _resolve_resume(self, resume: str | bool | None) -> Path | None:
+        if resume in (None, False):
+            return None
+        if resume is True:
+            latest = CheckpointManager.list_checkpoints(self.args.output_dir)
+            if not latest:
+                raise CheckpointError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete "
+                                      "checkpoint-<step>; train without resuming or pass a path")
+            return latest[-1]
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory")
+        if not self.args.fsdp_enabled and ((path / "sharded").is_dir() or (path / "optimizer").is_dir()):
+            raise CheckpointError(f"{path} is an FSDP checkpoint but FSDP is off; resume with "
+                                  "TrainingArguments(fsdp=True) (and the same fsdp_config)")
+        return path
+
+    # -- training -------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
+        """Run the training loop; returns the final `TrainerState` (with `log_history`)."""
+        args = self.args
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs a train_dataset")
+        resume = self._resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
+                                      else args.resume_from_checkpoint)
+        plan = self._plan()
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
+        self.create_optimizer_and_scheduler(max_steps)
+        self.state = TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
+                                  global_batch_size=plan.global_batch_size)
+        if resume is not None:
+            self.state = TrainerState.from_dict(self._checkpoints().load(resume))
+            if self.state.global_batch_size != plan.global_batch_size:
+                raise CheckpointError(
+                    f"{resume} was trained with a global batch of {self.state.global_batch_size} samples, this run "
+                    f"has {plan.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps x "
+                    f"ranks equal to resume exactly")
+            self.state.max_steps = max_steps
+        self.model.train()
+        self._callback("on_train_begin")
+        self.logger.start(self.state.global_step, max_steps)
+        window: list[tuple[torch.Tensor, int]] = []
+        while self.state.global_step < max_steps and not self.control.should_training_stop:
+            epoch, start = divmod(self.state.global_step, plan.steps_per_epoch)
+            micro_batches = iter(self._loader(plan, epoch, start))
+            for _ in range(start, plan.steps_per_epoch):
+                batches = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
+                loss_sum, tokens, grad_norm = self.training_step(batches)
+                self.state.global_step += 1
+                self.state.epoch = self.state.global_step / plan.steps_per_epoch
+                self.state.num_input_tokens_seen += int(tokens)
+                window.append((loss_sum, tokens))
+                self.logger.step_done(tokens)
+                self._maybe_log_evaluate_save(window, grad_norm)
+                self._callback("on_step_end")
+                if self.state.global_step >= max_steps or self.control.should_training_stop:
+                    break
+        self.logger.close()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint:
+            self._checkpoints().load(self.state.best_model_checkpoint, weights_only=True)
+        self._callback("on_train_end")
+        return self.state
+
+    def training_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Forward/backward over the micro-batches of one optimizer step, then clip and step.
+
+        Returns:
+            (local sum of token losses, global number of target tokens, total grad norm).
+        """
+        batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+        tokens = self.loss.count_global_items(batches)
+        # FSDP averages gradients over data-parallel ranks; scale so that they add up to d(sum / tokens).
+        scale = self.world_size / max(tokens, 1)
+        loss_sum = torch.zeros((), device=self.device)
+        for index, batch in enumerate(batches):
+            last = index == len(batches) - 1
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(last)  # reduce-scatter once per step, not per micro-step
+            micro_sum = self.loss(batch)
+            (micro_sum * scale).backward()
+            loss_sum += micro_sum.detach().float()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, tokens, grad_norm
+
+    def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:
+        args, step = self.args, self.state.global_step
+        at_epoch_end = step % self.state.steps_per_epoch == 0
+        last = step >= self.state.max_steps
+        if step % args.logging_steps == 0 or last:
+            sums = torch.stack([s for s, _ in window])
+            dist.all_reduce(sums)
+            losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
+            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
+                    "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+            window.clear()
+            self.log(logs)
+        metrics = None
+        if (args.eval_strategy == "steps" and step % args.eval_every == 0) or \
+                (args.eval_strategy == "epoch" and at_epoch_end) or self.control.should_evaluate:
+            metrics = self.evaluate()
+            self.control.should_evaluate = False
+        if (args.save_strategy == "steps" and step % args.save_steps == 0) or \
+                (args.save_strategy == "epoch" and at_epoch_end) or self.control.should_save:
+            self._save_checkpoint(metrics)
+            self.control.should_save = False
+
+    def _save_checkpoint(self, metrics: dict[str, float] | None) -> None:
+        args = self.args
+        path = str(Path(args.output_dir) / f"checkpoint-{self.state.global_step}")
+        if metrics and args.metric_for_best_model:
+            name = args.metric_for_best_model
+            value = metrics.get(name, metrics.get(f"eval_{name}"))
+            if value is not None:
+                better = self.state.best_metric is None or (
+                    value > self.state.best_metric if args.greater_is_better else value < self.state.best_metric)
+                if better:
+                    self.state.best_metric, self.state.best_model_checkpoint = value, path
+        self._checkpoints().save(self.state.global_step, self.state, model_only=args.save_only_model)
+        self._callback("on_save")
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Record `logs` for this step in `log_history`, metrics.jsonl, TensorBoard and the progress bar."""
+        entry = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self.logger.log(entry)
+        self._callback("on_log", logs=entry)
+
+    def _callback(self, event: str, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, event)(self.args, self.state, self.control, model=self.model, **kwargs)
+
+    # -- evaluation and export ------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss averaged over every eval token on every rank, plus `compute_metrics`; logged."""
+        output = self.predict(eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix,
+                              with_predictions=self.compute_metrics is not None)
+        self.log(output.metrics)
+        self._callback("on_evaluate", metrics=output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset: Any, metric_key_prefix: str = "test",
+                with_predictions: bool = True) -> PredictionOutput:
+        """Run the model over `test_dataset` on all ranks; predictions and labels come back on every rank."""
+        if test_dataset is None:
+            raise ValueError("evaluate()/predict() needs a dataset (pass eval_dataset to Trainer)")
+        loop = EvalLoop(self.model, self.loss, self.data_collator, self.args.per_device_eval_batch_size,
+                        self.rank, self.world_size, self.device, self.preprocess_logits_for_metrics)
+        return loop.run(test_dataset, metric_key_prefix, self.compute_metrics, with_predictions)
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Write the full model (config.json + safetensors) that `from_pretrained` loads; every rank calls it."""
+        out = Path(output_dir or self.args.output_dir)
+        state = full_model_state(self.model)
+        if self.rank == 0:
+            write_full_checkpoint(state, out, model_config_dict(self.model))
+        dist.barrier()
+        return out
