@@ -36,14 +36,6 @@ def dedupe_tied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_full_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path, config: dict[str, Any] | None,
                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write `state_dict` as safetensors (split above `max_shard_bytes`) and `config.json`; returns file names."""
@@ -75,6 +67,8 @@ def write_full_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Pa
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                  indent=2))
         files.append(INDEX_FILE)
+    for name in files:
+        os.chmod(out / name, 0o644)  # safetensors writes 0600; checkpoints are shared artefacts
     if config is not None:
         (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         files.append("config.json")

@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -51,8 +53,14 @@ def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model gathered on CPU on rank 0 (empty on other ranks); every rank must call it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The whole model gathered on CPU on rank 0 (empty on other ranks); every rank must call it.
+
+    A tied weight appears once, under its first name (`from_pretrained` re-ties the others from the config).
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for alias in _tied_aliases(model):
+        state.pop(alias, None)
+    return state
 
 
 def rng_state() -> dict[str, Any]:
@@ -84,6 +92,12 @@ def checkpoint_kind(path: Path) -> str:
         return "FULL_STATE_DICT"
     raise CheckpointError(f"{path} holds no model (no sharded/ and no model.safetensors); pass a checkpoint-<step> "
                           "directory written by shardtrain")
+
+
+def _fault_point(name: str) -> None:
+    """Fault injection for the crash-safety tests: SHARDTRAIN_FAULT="<name>:<rank>" SIGKILLs that rank here."""
+    if os.environ.get("SHARDTRAIN_FAULT") == f"{name}:{dist.get_rank()}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -135,6 +149,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
+        _fault_point("save_start")
         with_optim = self.optimizer is not None and not model_only
         if self.state_dict_type == "SHARDED_STATE_DICT":
             payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
@@ -149,15 +164,18 @@ class CheckpointManager:
             if with_optim:
                 dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
                          checkpoint_id=str(tmp / "optimizer"))
+        _fault_point("after_model")
         torch.save(rng_state(), tmp / f"rng_state_{self.rank}.pt")
         if self.rank == 0:
             config = model_config_dict(self.model)
             if config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            (tmp / "tied_weights.json").write_text(json.dumps(_tied_aliases(self.model)))
             if self.scheduler is not None and not model_only:
                 (tmp / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / "trainer_state.json")
         barrier()
+        _fault_point("before_commit")
         if self.rank == 0:
             _fsync_tree(tmp)
             if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
@@ -169,6 +187,7 @@ class CheckpointManager:
             else:
                 tmp.rename(final)
             _fsync_dir(self.output_dir)
+            _fault_point("before_rotate")
             self._rotate(keep=state.best_model_checkpoint)
         barrier()
         return final
@@ -201,7 +220,7 @@ class CheckpointManager:
                 self._load_full(path, load_optim)
         except CheckpointError:
             raise
-        except Exception as err:  # DCP / safetensors errors on damaged files
+        except (Exception, CheckpointException) as err:  # DCP / safetensors errors on damaged files
             raise CheckpointError(f"could not read checkpoint {path}: {type(err).__name__}: {err}. The files are "
                                   f"corrupt or truncated; resume from an earlier checkpoint") from err
         if weights_only:

@@ -147,6 +147,13 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def reshard_all(model: nn.Module) -> None:
+    """Free gathered parameters of every unit. Units that keep parameters after forward (root, head) stay
+    gathered after a forward without backward (evaluation); optimizer and state-dict code expect shards."""
+    for module in fsdp_modules(model):
+        module.reshard()
+
+
 def apply_fsdp(
     model: nn.Module,
     fsdp_config: FSDPConfig | dict | str | None = None,

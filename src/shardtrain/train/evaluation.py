@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data import IGNORE_INDEX, PlaceholderDataset
 from shardtrain.train.loss import LossComputer
 
@@ -74,6 +75,7 @@ class EvalLoop:
                 totals[1] += self.loss.items(batch["labels"]).double()
                 if with_predictions and logits is not None:
                     self._collect(indices, batch, logits, preds, labels)
+        reshard_all(self.model)
         self.model.train(was_training)
         dist.all_reduce(totals)
         metrics = {f"{prefix}_loss": (totals[0] / totals[1].clamp(min=1)).item()}

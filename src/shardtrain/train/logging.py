@@ -28,7 +28,7 @@ class MetricsLogger:
         self.args, self.is_main = args, is_main
         self.bar: tqdm | None = None
         self.writer = None
-        self.tokens = 0
+        self.tokens = self.tokens_at_start = 0
         self.started = time.perf_counter()
         self.last_logs: dict[str, Any] = {}
         if is_main and "tensorboard" in args.report_to:
@@ -39,17 +39,17 @@ class MetricsLogger:
                                   "pip install tensorboard, or drop it from report_to") from err
             self.writer = SummaryWriter(log_dir=str(Path(args.output_dir) / "runs"))
 
-    def start(self, step: int, max_steps: int) -> None:
-        self.tokens, self.started = 0, time.perf_counter()
+    def start(self, step: int, max_steps: int, tokens_seen: int) -> None:
+        self.tokens_at_start, self.tokens, self.started = tokens_seen, tokens_seen, time.perf_counter()
         if self.is_main and not self.args.disable_tqdm:
             self.bar = tqdm(total=max_steps, initial=step, desc="train", dynamic_ncols=True)
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        return (self.tokens - self.tokens_at_start) / max(time.perf_counter() - self.started, 1e-9)
 
-    def step_done(self, tokens: int) -> None:
-        self.tokens += tokens
+    def step_done(self, tokens_seen: int) -> None:
+        self.tokens = tokens_seen
         if self.bar is not None:
             self.bar.update(1)
             postfix = {k: f"{self.last_logs[k]:.4g}" for k in ("loss", "learning_rate") if k in self.last_logs}

@@ -44,11 +44,15 @@ class LossComputer:
             labels = labels[:, 1:]
         return (labels != IGNORE_INDEX).sum()
 
-    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> int:
-        """Target tokens over all micro-batches of all ranks (one all-reduce)."""
-        local = torch.stack([self.items(b["labels"]) for b in batches]).sum().to(torch.int64)
-        dist.all_reduce(local)
-        return int(local.item())
+    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
+        """(target tokens, input tokens) over all micro-batches of all ranks, in one all-reduce."""
+        counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        for batch in batches:
+            counts[0] += self.items(batch["labels"])
+            mask = batch.get("attention_mask")
+            counts[1] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        dist.all_reduce(counts)
+        return int(counts[0]), int(counts[1])
 
     def _autocast(self):
         if self.bf16_autocast:

@@ -164,7 +164,7 @@ class Trainer:
             self.state.max_steps = max_steps
         self.model.train()
         self._callback("on_train_begin")
-        self.logger.start(self.state.global_step, max_steps)
+        self.logger.start(self.state.global_step, max_steps, self.state.num_input_tokens_seen)
         window: list[tuple[torch.Tensor, int]] = []
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             epoch, start = divmod(self.state.global_step, plan.steps_per_epoch)
@@ -174,9 +174,8 @@ class Trainer:
                 loss_sum, tokens, grad_norm = self.training_step(batches)
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch
-                self.state.num_input_tokens_seen += int(tokens)
                 window.append((loss_sum, tokens))
-                self.logger.step_done(tokens)
+                self.logger.step_done(self.state.num_input_tokens_seen)
                 self._maybe_log_evaluate_save(window, grad_norm)
                 self._callback("on_step_end")
                 if self.state.global_step >= max_steps or self.control.should_training_stop:
@@ -191,10 +190,11 @@ class Trainer:
         """Forward/backward over the micro-batches of one optimizer step, then clip and step.
 
         Returns:
-            (local sum of token losses, global number of target tokens, total grad norm).
+            (local sum of token losses, global number of target tokens, total grad norm); the global number
+            of input tokens is added to `state.num_input_tokens_seen`.
         """
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
-        tokens = self.loss.count_global_items(batches)
+        tokens, input_tokens = self.loss.count_global_items(batches)
         # FSDP averages gradients over data-parallel ranks; scale so that they add up to d(sum / tokens).
         scale = self.world_size / max(tokens, 1)
         loss_sum = torch.zeros((), device=self.device)
@@ -209,6 +209,7 @@ class Trainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.state.num_input_tokens_seen += input_tokens
         return loss_sum, tokens, grad_norm
 
     def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:

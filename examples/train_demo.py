@@ -1,0 +1,105 @@
+"""Train a small Llama to add numbers, with FSDP2 on 2 CPU ranks, and save a checkpoint and the final model.
+
+    bash scripts/demo.sh                                   # sets up .venv, then runs the line below
+    shardtrain launch --cpu --num_processes 2 examples/train_demo.py --output_dir out/demo
+    python examples/train_demo.py --max_steps 20           # one plain process also works
+
+The data is generated here: "a+b=" followed by the digits of the sum, least significant first (easier to
+learn). Only the answer is trained on; the metric is exact-match accuracy of the whole answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shardtrain import CheckpointManager, EvalPrediction, Trainer, TrainingArguments, destroy_distributed
+from shardtrain.train.logging import peak_memory_mb
+
+PAD, BOS, EOS, PLUS, EQUALS, DIGIT0 = 0, 1, 2, 3, 4, 5
+VOCAB = 32
+
+
+def encode(a: int, b: int) -> dict[str, list[int]]:
+    """One sample: BOS a + b = reversed(a+b) EOS; labels only on the answer."""
+    prompt = [BOS, *(DIGIT0 + int(d) for d in str(a)), PLUS, *(DIGIT0 + int(d) for d in str(b)), EQUALS]
+    answer = [*(DIGIT0 + int(d) for d in reversed(str(a + b))), EOS]
+    return {"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
+
+
+def make_dataset(n: int, seed: int, digits: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    top = 10**digits
+    return [encode(rng.randrange(top), rng.randrange(top)) for _ in range(n)]
+
+
+def demo_model_config() -> LlamaConfig:
+    """The demo's model (also used by the benchmarks): ~0.8M parameters."""
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
+
+
+def answer_accuracy(prediction: EvalPrediction) -> dict[str, float]:
+    """Share of samples whose every answer token is predicted right (teacher forcing)."""
+    preds, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+    mask = labels != -100
+    correct = ((preds == labels) | ~mask).all(axis=1)
+    return {"accuracy": float(correct.mean())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", default="out/demo")
+    parser.add_argument("--max_steps", type=int, default=600)
+    parser.add_argument("--digits", type=int, default=2)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=32)
+    parser.add_argument("--learning_rate", type=float, default=3e-3)
+    parser.add_argument("--state_dict_type", default="SHARDED_STATE_DICT")
+    cli = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(demo_model_config())
+    args = TrainingArguments(
+        output_dir=cli.output_dir, max_steps=cli.max_steps, per_device_train_batch_size=cli.per_device_train_batch_size,
+        per_device_eval_batch_size=64, learning_rate=cli.learning_rate, weight_decay=0.01, warmup_steps=20,
+        lr_scheduler_type="cosine", logging_steps=max(1, cli.max_steps // 10), eval_strategy="no",
+        save_strategy="steps", save_steps=cli.max_steps, save_total_limit=2, fsdp=True,
+        fsdp_config={"state_dict_type": cli.state_dict_type, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    )
+    trainer = Trainer(model, args, train_dataset=make_dataset(20000, seed=1, digits=cli.digits),
+                      eval_dataset=make_dataset(512, seed=2, digits=cli.digits), compute_metrics=answer_accuracy,
+                      preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+    before = trainer.evaluate()
+    start = time.perf_counter()
+    state = trainer.train()
+    seconds = time.perf_counter() - start
+    after = trainer.evaluate()
+    final_dir = trainer.save_model(f"{cli.output_dir}/final")
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, round(peak_memory_mb(), 1))
+    if trainer.rank == 0:
+        train_losses = [e["loss"] for e in state.log_history if "loss" in e]
+        summary = {
+            "ranks": dist.get_world_size(), "steps": state.global_step, "seconds": round(seconds, 1),
+            "first_train_loss": round(train_losses[0], 4), "final_train_loss": round(train_losses[-1], 4),
+            "eval_loss_before": round(before["eval_loss"], 4), "eval_loss_after": round(after["eval_loss"], 4),
+            "eval_accuracy_before": before["eval_accuracy"], "eval_accuracy_after": after["eval_accuracy"],
+            "tokens_per_second": round(state.num_input_tokens_seen / seconds, 1),
+            "peak_memory_mb_per_rank": peaks, "checkpoint": str(CheckpointManager.list_checkpoints(cli.output_dir)[-1]),
+            "final_model": str(final_dir),
+        }
+        print("summary " + json.dumps(summary, indent=2), flush=True)
+        with open(f"{cli.output_dir}/summary.json", "w") as handle:
+            json.dump(summary, handle, indent=2)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

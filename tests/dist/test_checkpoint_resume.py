@@ -1,0 +1,69 @@
+"""Resume equals no interruption: bit-identical on the same ranks, 1e-6 on 1 and 4 ranks (sharded)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from launch import python, torchrun
+
+WORKER = Path(__file__).parent / "workers" / "train_run.py"
+TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+
+
+def _result(path: Path) -> dict:
+    return json.loads((path / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    torchrun(WORKER, 2, str(root / "uninterrupted"), json.dumps({"per_device_train_batch_size": 4}))
+    for kind in TYPES:
+        knobs = {"per_device_train_batch_size": 4, "save_strategy": "steps", "save_steps": 5,
+                 "fsdp_config": {"state_dict_type": kind}}
+        torchrun(WORKER, 2, str(root / kind), json.dumps({**knobs, "stop_after": 5}))
+        shutil.copytree(root / kind, root / f"{kind}-first-half")
+        torchrun(WORKER, 2, str(root / kind), json.dumps({**knobs, "resume": True}))
+    sharded = root / "SHARDED_STATE_DICT-first-half" / "checkpoint-5"
+    sharded_knobs = {"save_strategy": "no", "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"},
+                     "resume": str(sharded)}
+    python(WORKER, str(root / "on1"), json.dumps({**sharded_knobs, "per_device_train_batch_size": 8}))
+    torchrun(WORKER, 4, str(root / "on4"), json.dumps({**sharded_knobs, "per_device_train_batch_size": 2}))
+    return root
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_resume_is_bit_identical(runs, kind):
+    ref = _result(runs / "uninterrupted")
+    first = _result(runs / f"{kind}-first-half")
+    second = _result(runs / kind)
+    assert first["steps"] == [1, 2, 3, 4, 5] and second["steps"] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert first["losses"] == ref["losses"][:5]
+    assert second["losses"][5:] == ref["losses"][5:]  # exact equality, not a tolerance
+    assert second["grad_norms"][5:] == ref["grad_norms"][5:]
+    assert second["eval_loss"] == ref["eval_loss"]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_checkpoint_layout(runs, kind):
+    ckpt = runs / f"{kind}-first-half" / "checkpoint-5"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"config.json", "trainer_state.json", "scheduler.json", "rng_state_0.pt", "rng_state_1.pt"} <= names
+    if kind == "SHARDED_STATE_DICT":
+        assert sorted(p.name for p in (ckpt / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    else:
+        assert "model.safetensors" in names
+        assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["global_step"] == 5 and state["global_batch_size"] == 8
+    assert not [p for p in (runs / kind).iterdir() if p.name.startswith(".tmp")]
+
+
+@pytest.mark.parametrize("run", ["on1", "on4"])
+def test_sharded_checkpoint_resumes_on_another_world_size(runs, run):
+    ref = _result(runs / "uninterrupted")
+    got = _result(runs / run)
+    assert got["steps"] == list(range(1, 11))  # log history comes back from the checkpoint
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6, rel=0)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-6)

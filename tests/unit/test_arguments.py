@@ -1,0 +1,61 @@
+"""TrainingArguments: validation at construction, messages naming the field, launch environment."""
+
+import json
+
+import pytest
+
+from shardtrain import TrainingArguments, TrainingArgumentsError
+
+
+@pytest.mark.parametrize("kwargs,fragments", [
+    ({"per_device_train_batch_size": -1}, ["per_device_train_batch_size", "-1"]),
+    ({"per_device_train_batch_size": 0}, ["per_device_train_batch_size"]),
+    ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps"]),
+    ({"learning_rate": -1.0}, ["learning_rate"]),
+    ({"max_steps": 0}, ["max_steps"]),
+    ({"lr_scheduler_type": "cosine_warm"}, ["lr_scheduler_type", "cosine_warm", "linear"]),
+    ({"report_to": "wandb"}, ["report_to", "wandb", "tensorboard"]),
+    ({"eval_strategy": "sometimes"}, ["eval_strategy", "sometimes"]),
+    ({"save_strategy": "best"}, ["save_strategy", "best"]),
+    ({"warmup_steps": -3}, ["warmup_steps"]),
+    ({"bf16": True, "fp16": True}, ["bf16", "fp16"]),
+    ({"save_total_limit": 0}, ["save_total_limit"]),
+    ({"fsdp": True, "gradient_checkpointing": True, "fsdp_config": {"activation_checkpointing": True}},
+     ["gradient_checkpointing", "activation_checkpointing"]),
+    ({"cp_size": 2, "sp_size": 2}, ["cp_size", "sp_size"]),
+    ({"fsdp": True, "save_only_model": True, "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}},
+     ["save_only_model", "SHARDED_STATE_DICT"]),
+    ({"fsdp": True, "save_only_model": True, "load_best_model_at_end": True, "eval_strategy": "steps",
+      "eval_steps": 5, "save_steps": 5}, ["save_only_model", "load_best_model_at_end"]),
+    ({"load_best_model_at_end": True}, ["load_best_model_at_end", "eval_strategy"]),
+    ({"fsdp": True, "fsdp_config": {"reshard_after_forwad": True}}, ["fsdp_config", "reshard_after_forward"]),
+    ({"fsdp": "fulll_shard"}, ["fsdp", "fulll_shard"]),
+])
+def test_bad_arguments_name_the_field(tmp_path, kwargs, fragments):
+    with pytest.raises(TrainingArgumentsError) as err:
+        TrainingArguments(output_dir=str(tmp_path), **kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value), (fragment, str(err.value))
+
+
+def test_defaults_and_fsdp_resolution(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path))
+    assert not args.fsdp_enabled and args.mixed_precision == "no" and args.report_to == ["jsonl"]
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="shard_grad_op offload", bf16=True)
+    assert args.fsdp_enabled and args.fsdp_config.reshard_after_forward is False and args.fsdp_config.cpu_offload
+    assert args.mixed_precision == "bf16"
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    assert args.report_to == []
+
+
+def test_launch_environment_is_picked_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDTRAIN_USE_FSDP", "1")
+    monkeypatch.setenv("SHARDTRAIN_FSDP_CONFIG", json.dumps({"reshard_after_forward": False,
+                                                             "transformer_layer_cls_to_wrap": ["BertLayer"]}))
+    monkeypatch.setenv("SHARDTRAIN_MIXED_PRECISION", "bf16")
+    args = TrainingArguments(output_dir=str(tmp_path))
+    assert args.fsdp_enabled and args.bf16
+    assert args.fsdp_config.transformer_layer_cls_to_wrap == ["BertLayer"]
+    assert args.fsdp_config.reshard_after_forward is False
+    explicit = TrainingArguments(output_dir=str(tmp_path), fsdp_config={"cpu_offload": True})
+    assert explicit.fsdp_config.cpu_offload and explicit.fsdp_config.transformer_layer_cls_to_wrap == []

@@ -1,0 +1,62 @@
+"""Global batches do not depend on the split; placeholders fill short tails; the collator pads."""
+
+import torch
+
+from shardtrain.train.data import BatchPlan, PaddingCollator, PlaceholderDataset, StepBatchSampler
+
+
+def _global_steps(n, batch, accum, world, seed=0, epoch=0):
+    steps = []
+    for rank in range(world):
+        plan = BatchPlan(num_samples=n, per_device_batch_size=batch, accumulation_steps=accum, world_size=world,
+                         rank=rank, seed=seed)
+        per_rank = list(StepBatchSampler(plan, epoch))
+        for step in range(plan.steps_per_epoch):
+            if len(steps) <= step:
+                steps.append([])
+            for micro in per_rank[step * accum:(step + 1) * accum]:
+                steps[step].extend(i for i in micro if i >= 0)
+    return [sorted(s) for s in steps]
+
+
+def test_same_samples_per_step_for_every_split():
+    ref = _global_steps(37, 8, 1, 1)
+    assert _global_steps(37, 4, 1, 2) == ref
+    assert _global_steps(37, 2, 2, 2) == ref
+    assert _global_steps(37, 2, 1, 4) == ref
+    assert _global_steps(37, 1, 2, 4) == ref
+    assert sorted(i for s in ref for i in s) == list(range(37))  # nothing dropped, nothing repeated
+
+
+def test_epochs_reshuffle_and_seed_matters():
+    plan = BatchPlan(num_samples=20, per_device_batch_size=4, accumulation_steps=1, world_size=1, rank=0, seed=1)
+    assert plan.permutation(0) != plan.permutation(1)
+    other = BatchPlan(num_samples=20, per_device_batch_size=4, accumulation_steps=1, world_size=1, rank=0, seed=2)
+    assert plan.permutation(0) != other.permutation(0)
+
+
+def test_resume_position_continues_the_same_order():
+    plan = BatchPlan(num_samples=50, per_device_batch_size=3, accumulation_steps=2, world_size=2, rank=1, seed=5)
+    full = list(StepBatchSampler(plan, epoch=0))
+    assert list(StepBatchSampler(plan, epoch=0, start_step=3)) == full[3 * 2:]
+
+
+def test_short_tail_gets_placeholders_on_every_rank():
+    # 10 samples, global batch 8: step 1 has 2 samples, so ranks 1..3 get a placeholder
+    tails = []
+    for rank in range(4):
+        plan = BatchPlan(num_samples=10, per_device_batch_size=2, accumulation_steps=1, world_size=4, rank=rank, seed=0)
+        batches = list(StepBatchSampler(plan, 0))
+        assert len(batches) == 2
+        tails.append(batches[1])
+    assert len(tails[0]) == 2 and tails[1:] == [[-1], [-1], [-1]]
+
+
+def test_collator_pads_and_placeholder_is_ignored():
+    data = PlaceholderDataset([{"input_ids": [5, 6, 7]}, {"input_ids": [8]}])
+    batch = PaddingCollator(pad_token_id=0)([data[0], data[1], data[-1]])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0], [5, 6, 7]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 1]]
+    assert batch["labels"].tolist() == [[5, 6, 7], [8, -100, -100], [-100, -100, -100]]
+    classes = PaddingCollator()([{"input_ids": [1, 2], "labels": 1}, {"input_ids": [3], "labels": torch.tensor(0)}])
+    assert classes["labels"].tolist() == [1, 0]
