@@ -6,7 +6,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, vocab: int = 64, hidden: int = 32) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, vocab: int = 64,
+               hidden: int = 32) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

@@ -1,21 +1,38 @@
-"""shardtrain: FSDP2 training inside a Trainer."""
+"""shardtrain: FSDP2 training inside a Trainer.
 
-from shardtrain.checkpoint import CheckpointError, CheckpointManager
-from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
-from shardtrain.parallel.distributed import destroy_distributed, init_distributed
-from shardtrain.parallel.fsdp import apply_fsdp
-from shardtrain.parallel.loading import load_pretrained
-from shardtrain.train import (
-    EvalPrediction,
-    Trainer,
-    TrainerCallback,
-    TrainerState,
-    TrainingArguments,
-    TrainingArgumentsError,
-)
+    from shardtrain import Trainer, TrainingArguments, FSDPConfig, apply_fsdp
+
+Names are imported on first use, so `shardtrain config` and other light commands do not pay for
+importing torch and transformers.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointError", "CheckpointManager", "EvalPrediction", "FSDPConfig", "FSDPConfigError", "Trainer",
-           "TrainerCallback", "TrainerState", "TrainingArguments", "TrainingArgumentsError", "apply_fsdp",
-           "destroy_distributed", "init_distributed", "load_pretrained"]
+_EXPORTS = {
+    "CheckpointError": "shardtrain.checkpoint.errors",
+    "CheckpointManager": "shardtrain.checkpoint.manager",
+    "EvalPrediction": "shardtrain.train.evaluation",
+    "FSDPConfig": "shardtrain.config.fsdp_config",
+    "FSDPConfigError": "shardtrain.config.fsdp_config",
+    "Trainer": "shardtrain.train.trainer",
+    "TrainerCallback": "shardtrain.train.state",
+    "TrainerState": "shardtrain.train.state",
+    "TrainingArguments": "shardtrain.train.arguments",
+    "TrainingArgumentsError": "shardtrain.train.arguments",
+    "apply_fsdp": "shardtrain.parallel.fsdp",
+    "destroy_distributed": "shardtrain.parallel.distributed",
+    "init_distributed": "shardtrain.parallel.distributed",
+    "load_pretrained": "shardtrain.parallel.loading",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")

@@ -1,6 +1,8 @@
 """Full checkpoints load with transformers; merge equals save_model; rank-0 loading; clear load errors."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +65,14 @@ def test_merge_equals_save_model(trained, run, tmp_path):
         assert torch.equal(ours[key], theirs[key]), key
     assert json.loads((merged / "config.json").read_text()) == json.loads(
         (trained / run / "final" / "config.json").read_text())
+
+
+def test_merge_command_line(trained, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shardtrain.cli.main", "merge", str(trained / "llama" / "checkpoint-4"),
+                           str(tmp_path / "merged")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    model = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    _probe_matches(model, trained / "llama")
 
 
 def test_merge_refuses_bad_input(trained, tmp_path):

@@ -1,0 +1,280 @@
+"""`shardtrain launch`: run a script on N processes / M machines through torchrun's elastic agent, in-process.
+
+    shardtrain launch train.py --lr 1e-4                      # settings: $SHARDTRAIN_HOME/default_config.yaml
+    shardtrain launch --config_file accelerate.yaml train.py  # ours or Accelerate's YAML
+    shardtrain launch --num_processes 2 --mixed_precision bf16 --fsdp "full shard" \
+        --fsdp_config fsdp.json train.py
+    shardtrain launch --num_machines 2 --machine_rank 0 --num_processes 4 \
+        --main_process_ip 10.0.0.1 --main_process_port 29500 train.py  # + machine_rank 1 on the other host
+    shardtrain launch --dry_run train.py                      # print env + torchrun args, start nothing
+
+Flags override the file. Everything is validated before a process starts. The script learns its settings
+from environment variables (the contract read by `TrainingArguments`):
+
+    SHARDTRAIN_USE_FSDP=1            FSDP on (distributed_type FSDP, --fsdp or --fsdp_config); else unset
+    SHARDTRAIN_FSDP_CONFIG={...}     JSON of the validated `FSDPConfig.to_dict()`; unset without FSDP
+    SHARDTRAIN_MIXED_PRECISION=no    no | bf16 | fp16
+    SHARDTRAIN_CP_SIZE=2             only with --use_parallelism_config / a parallelism_config section
+    SHARDTRAIN_CPU=1                 with --cpu / use_cpu: true (otherwise left as it is)
+    OMP_NUM_THREADS=1                when unset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardtrain.config.fsdp_config import FSDPConfigError, parse_fsdp_option
+from shardtrain.config.launch_config import (
+    DEFAULT_MULTI_NODE_PORT,
+    LaunchConfig,
+    LaunchConfigError,
+    as_int,
+    load_launch_config,
+    map_fsdp_config,
+)
+
+ENV_USE_FSDP = "SHARDTRAIN_USE_FSDP"
+ENV_FSDP_CONFIG = "SHARDTRAIN_FSDP_CONFIG"
+ENV_MIXED_PRECISION = "SHARDTRAIN_MIXED_PRECISION"
+ENV_CP_SIZE = "SHARDTRAIN_CP_SIZE"
+ENV_CPU = "SHARDTRAIN_CPU"
+
+_VALUE_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                "rdzv_backend", "mixed_precision", "max_restarts")
+_OTHER_VALUE_FLAGS = ("config_file", "fsdp_config", "parallelism_config_cp_size")
+_FALSE_WORDS = ("false", "no", "0", "off")
+
+
+@dataclass
+class LaunchPlan:
+    """What `launch` will do: the worker environment and torchrun's arguments."""
+
+    config: LaunchConfig
+    env: dict[str, str]
+    unset: list[str]
+    torchrun_argv: list[str]
+    warnings: list[str] = field(default_factory=list)
+
+
+def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `launch` and its flags (values are checked by `LaunchConfig.set`, with clear messages)."""
+    p = subparsers.add_parser("launch", help="run a training script on several processes / machines",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              allow_abbrev=False)
+    p.add_argument("--config_file", help="YAML config (ours or Accelerate's); default: "
+                                         "$SHARDTRAIN_HOME/default_config.yaml")
+    p.add_argument("--num_processes", help="total number of processes over all machines")
+    p.add_argument("--num_machines", help="number of machines")
+    p.add_argument("--machine_rank", help="rank of this machine, 0 .. num_machines-1")
+    p.add_argument("--main_process_ip", help="address of the machine with machine_rank 0")
+    p.add_argument("--main_process_port", help="port on that machine")
+    p.add_argument("--rdzv_backend", help="static | c10d (default for several machines) | etcd | etcd-v2")
+    p.add_argument("--mixed_precision", help="no | bf16 | fp16")
+    p.add_argument("--fsdp", nargs="?", const="true", metavar="OPTIONS",
+                   help='turn FSDP on ("true", or legacy strings like "full shard", "shard_grad_op '
+                        'offload"); "false" turns it off')
+    p.add_argument("--fsdp_config", help="FSDP settings: path of a JSON file or inline JSON; replaces the "
+                                         "config file's fsdp_config and turns FSDP on")
+    p.add_argument("--max_restarts", help="restarts of the worker group after a failure (default 0)")
+    p.add_argument("--use_parallelism_config", action="store_true", help="use the parallelism config (cp)")
+    p.add_argument("--parallelism_config_cp_size", help="context-parallel size (--use_parallelism_config)")
+    p.add_argument("--cpu", action="store_true", help="train on CPU (gloo) even when GPUs are visible")
+    p.add_argument("--dry_run", action="store_true", help="print the plan as JSON and start nothing")
+    p.add_argument("script", help="training script (.py)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=run_launch)
+
+
+def normalize_fsdp_flag(argv: list[str]) -> list[str]:
+    """Make a bare `--fsdp` directly before the script (or another flag) mean `--fsdp=true`.
+
+    Only launch's own flags (those before the script) are looked at; the script's arguments are left alone.
+    """
+    out, i = list(argv), 0
+    while i < len(out):
+        token = out[i]
+        if token == "--fsdp":
+            nxt = out[i + 1] if i + 1 < len(out) else None
+            bare = nxt is None or nxt.startswith("-") or nxt.endswith(".py")
+            if bare:
+                out[i] = "--fsdp=true"
+            i += 1 if bare else 2
+        elif token.startswith("--") and token[2:] in (*_VALUE_FLAGS, *_OTHER_VALUE_FLAGS):
+            i += 2
+        elif token.startswith("-"):
+            i += 1
+        else:
+            break
+    return out
+
+
+def _read_fsdp_json(text: str) -> dict:
+    where = "--fsdp_config"
+    if text.lstrip().startswith("{"):
+        source = text
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise LaunchConfigError(f"{where}: {text!r} is neither inline JSON nor an existing JSON file")
+        source, where = path.read_text(), f"--fsdp_config {text}"
+    try:
+        data = json.loads(source)
+    except json.JSONDecodeError as err:
+        raise LaunchConfigError(f"{where}: not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise LaunchConfigError(f"{where}: expected a JSON object of settings, not {type(data).__name__}")
+    return data
+
+
+def _apply_flags(config: LaunchConfig, args: argparse.Namespace, warnings: list[str]) -> None:
+    for name in _VALUE_FLAGS:
+        if getattr(args, name) is not None:
+            config.set(name, getattr(args, name), f"--{name}")
+    if args.cpu:
+        config.use_cpu = True
+    if args.fsdp_config is not None:
+        config.fsdp_config, ignored = map_fsdp_config(_read_fsdp_json(args.fsdp_config), "--fsdp_config")
+        config.ignored += ignored
+        config.distributed_type = "FSDP"
+    if args.fsdp is not None and args.fsdp.strip().lower() in _FALSE_WORDS:
+        config.distributed_type = "NO" if config.num_processes == 1 else "MULTI_CPU"
+    elif args.fsdp is not None:
+        try:
+            _, overrides = parse_fsdp_option(args.fsdp)
+        except FSDPConfigError as err:
+            raise LaunchConfigError(f"--fsdp: {err}") from err
+        config.distributed_type = "FSDP"
+        if "sharding_strategy" in overrides and args.fsdp_config is None:
+            config.fsdp_config.pop("reshard_after_forward", None)  # the flag beats the file
+        config.fsdp_config.update(overrides)
+    if args.use_parallelism_config:
+        config.use_parallelism_config = True
+    if args.parallelism_config_cp_size is not None:
+        flag = "--parallelism_config_cp_size"
+        cp = as_int(flag[2:], args.parallelism_config_cp_size, flag, 1, "set it to an int >= 1")
+        if config.use_parallelism_config:
+            config.cp_size = cp
+        else:
+            warnings.append(f"{flag} {cp} is ignored: the parallelism config is off (no "
+                            f"--use_parallelism_config, no parallelism_config in the config file); "
+                            f"the cp size stays 1")
+
+
+def uses_fresh_worker_store(config: LaunchConfig) -> bool:
+    """Restarts with c10d: give each attempt its own worker store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+
+    The store torchrun shares with the workers outlives an attempt, so a restarted rank can read the
+    address a killed rank wrote and wait on a dead peer (pytorch/pytorch#135712).
+    """
+    c10d = config.num_machines == 1 or (config.rdzv_backend or "c10d") == "c10d"  # one machine: always c10d
+    return config.max_restarts > 0 and c10d
+
+
+def torchrun_argv(config: LaunchConfig, script: str, script_args: list[str]) -> list[str]:
+    """torchrun (`torch.distributed.run`) arguments for `config`.
+
+    One machine: static rendezvous on main_process_ip (default 127.0.0.1):main_process_port, or a port that
+    torchrun picks when none is set; with restarts, c10d (see `uses_fresh_worker_store`). Several machines:
+    c10d rendezvous on main_process_ip:main_process_port (machine 0 hosts it), or `rdzv_backend: static`.
+    """
+    argv = [f"--nnodes={config.num_machines}", f"--nproc_per_node={config.nproc_per_node}",
+            f"--max_restarts={config.max_restarts}"]
+    ip, port = config.main_process_ip, config.main_process_port
+    if config.num_machines == 1:
+        host = ip or "127.0.0.1"
+        if config.max_restarts > 0:
+            argv += ["--rdzv_backend=c10d", f"--rdzv_endpoint={host}:{port or 0}",
+                     f"--rdzv_id=shardtrain-{port or 'local'}", f"--local_addr={host}"]
+        elif port is not None:
+            argv += ["--rdzv_backend=static", f"--master_addr={host}", f"--master_port={port}"]
+    else:
+        backend, port = config.rdzv_backend or "c10d", port or DEFAULT_MULTI_NODE_PORT
+        if backend == "static":
+            argv += ["--rdzv_backend=static", f"--master_addr={ip}", f"--master_port={port}",
+                     f"--node_rank={config.machine_rank}"]
+        else:
+            argv += [f"--rdzv_backend={backend}", f"--rdzv_endpoint={ip}:{port}",
+                     f"--rdzv_id=shardtrain-{port}"]
+            if backend == "c10d":
+                argv.append(f"--rdzv_conf=is_host={int(config.machine_rank == 0)}")
+    return [*argv, script, *script_args]
+
+
+def build_plan(args: argparse.Namespace) -> LaunchPlan:
+    """Load the config, apply the flags, validate everything, and compute env + torchrun arguments.
+
+    Raises:
+        LaunchConfigError: anything that would make the launch fail; nothing has been started.
+    """
+    warnings: list[str] = []
+    config, source = load_launch_config(args.config_file)
+    if source is None:
+        warnings.append("no config file found (run `shardtrain config`); using defaults: 1 process, FSDP on")
+    _apply_flags(config, args, warnings)
+    if config.fsdp_config and not config.use_fsdp:
+        config.ignored.append(f"fsdp_config (FSDP is off: distributed_type {config.distributed_type})")
+    if config.ignored:
+        names = ", ".join(config.ignored)
+        warnings.append(f"{source or 'flags'}: ignoring keys shardtrain does not use: {names}")
+    fsdp = config.validate(f"{source or 'defaults'} + flags")
+    if not Path(args.script).is_file():
+        raise LaunchConfigError(f"script {args.script!r} does not exist (looked from {os.getcwd()}); "
+                                f"pass the path of your training script")
+    env = {ENV_MIXED_PRECISION: config.mixed_precision,
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    unset = []
+    if fsdp is not None:
+        env.update({ENV_USE_FSDP: "1", ENV_FSDP_CONFIG: json.dumps(fsdp.to_dict(), sort_keys=True)})
+    else:
+        unset += [ENV_USE_FSDP, ENV_FSDP_CONFIG]
+    if config.use_parallelism_config:
+        env[ENV_CP_SIZE] = str(config.cp_size or 1)
+    else:
+        unset.append(ENV_CP_SIZE)
+    if config.use_cpu:
+        env[ENV_CPU] = "1"
+    if uses_fresh_worker_store(config):
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    argv = torchrun_argv(config, args.script, list(args.script_args))
+    return LaunchPlan(config, env, unset, argv, warnings)
+
+
+def execute(plan: LaunchPlan) -> int:
+    """Run torchrun's elastic agent in this process; 0 when every worker succeeded, else 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import get_args_parser, run
+
+    for name in plan.unset:
+        os.environ.pop(name, None)
+    os.environ.update(plan.env)
+    torchrun_args = get_args_parser().parse_args(plan.torchrun_argv)
+    try:
+        run(torchrun_args)
+    except ChildFailedError as err:
+        codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+        print(f"error: {torchrun_args.training_script} failed (exit codes by global rank: {codes}); see the "
+              f"output above", file=sys.stderr)
+        return 1
+    except RendezvousError as err:
+        print(f"error: rendezvous failed ({type(err).__name__}: {err}); check --main_process_ip/port and "
+              f"that every machine was started", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Entry of `shardtrain launch` (a LaunchConfigError raised here becomes `error: ...`, exit 2)."""
+    plan = build_plan(args)
+    for line in plan.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    if args.dry_run:
+        plan_json = {"env": plan.env, "unset": plan.unset, "torchrun_argv": plan.torchrun_argv}
+        print(json.dumps(plan_json, indent=2))
+        return 0
+    return execute(plan)

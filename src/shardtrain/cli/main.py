@@ -1,0 +1,84 @@
+"""`shardtrain` entry point: argparse subcommands config / launch / merge / env.
+
+    shardtrain config                                  # write $SHARDTRAIN_HOME/default_config.yaml
+    shardtrain launch [flags] train.py [script args]   # run on N processes / M machines
+    shardtrain merge CHECKPOINT_DIR OUTPUT_DIR         # sharded checkpoint -> safetensors
+    shardtrain env                                     # versions, backends, devices, config
+    python -m shardtrain.cli.main ...                  # same, without the console script
+
+Exit codes: 0 ok, 1 the launched script failed, 2 a usage/config error (message `error: ...` on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardtrain.cli.config_cmd import add_config_parser
+from shardtrain.cli.env_cmd import add_env_parser
+from shardtrain.cli.launch import add_launch_parser, normalize_fsdp_flag
+from shardtrain.config.fsdp_config import FSDPConfigError
+from shardtrain.config.launch_config import LaunchConfigError
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    """Entry of `shardtrain merge`: `shardtrain.checkpoint.merge.merge_checkpoint` (imported lazily)."""
+    from shardtrain.checkpoint.errors import CheckpointError
+    from shardtrain.checkpoint.merge import merge_checkpoint
+
+    try:
+        merge_checkpoint(args.checkpoint_dir, args.output_dir)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"Merged {args.checkpoint_dir} into {args.output_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `shardtrain` parser with its four subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="shardtrain", description="FSDP2 training: config, launch, merge, env.", allow_abbrev=False
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,env}")
+    add_config_parser(subparsers)
+    add_launch_parser(subparsers)
+    merge = subparsers.add_parser(
+        "merge", help="turn a sharded checkpoint into safetensors (no distributed setup)", allow_abbrev=False
+    )
+    merge.add_argument("checkpoint_dir", help="checkpoint directory (e.g. output/checkpoint-500)")
+    merge.add_argument("output_dir", help="where the merged safetensors model goes")
+    merge.set_defaults(func=run_merge)
+    add_env_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (argparse's own errors included).
+
+    Args:
+        argv: arguments without the program name; `sys.argv[1:]` when None.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        argv = ["launch", *normalize_fsdp_flag(argv[1:])]
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (LaunchConfigError, FSDPConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\naborted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

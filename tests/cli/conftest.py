@@ -1,0 +1,62 @@
+"""Helpers for the command-line tests: a private SHARDTRAIN_HOME, `shardtrain` run as a real process.
+
+    /work/main/.venv/bin/python -m pytest tests/cli -x -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from launch import REPO, worker_env  # noqa: E402
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh SHARDTRAIN_HOME, also set in this process (for in-process `main([...])` calls)."""
+    path = tmp_path / "home"
+    monkeypatch.setenv("SHARDTRAIN_HOME", str(path))
+    return path
+
+
+def cli_env(home: Path, **extra: str) -> dict[str, str]:
+    """Worker environment (1 thread, tests on PYTHONPATH) without SHARDTRAIN_CPU: the launcher must set it."""
+    env = worker_env(SHARDTRAIN_HOME=str(home), **extra)
+    env.pop("SHARDTRAIN_CPU", None)
+    return env
+
+
+def cli_cmd(*args: object) -> list[str]:
+    """`python -m shardtrain.cli.main ARGS` with this interpreter."""
+    return [sys.executable, "-m", "shardtrain.cli.main", *map(str, args)]
+
+
+def run_cli(
+    *args: object, home: Path, stdin: str | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """Run `shardtrain ARGS` as a process and return it (stdout/stderr captured as text)."""
+    return subprocess.run(
+        cli_cmd(*args),
+        env=cli_env(home),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def explain(proc: subprocess.CompletedProcess | subprocess.Popen, stdout: str = "", stderr: str = "") -> str:
+    """Failure message with the ends of both streams."""
+    out = stdout or getattr(proc, "stdout", "") or ""
+    err = stderr or getattr(proc, "stderr", "") or ""
+    return f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-6000:]}"
