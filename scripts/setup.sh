@@ -10,4 +10,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q torch==2.13.0
 fi
-.venv/bin/pip install -q -e ".[dev]"
+.venv/bin/pip install -q --no-build-isolation -e ".[dev]"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ class MetricsLogger:
 
     def start(self, step: int, max_steps: int, tokens_seen: int) -> None:
         self.tokens_at_start, self.tokens, self.started = tokens_seen, tokens_seen, time.perf_counter()
-        if self.is_main and not self.args.disable_tqdm:
+        # No bar when stderr is not a terminal (CI, log files): the JSON log lines carry the same numbers.
+        if self.is_main and not self.args.disable_tqdm and sys.stderr.isatty():
             self.bar = tqdm(total=max_steps, initial=step, desc="train", dynamic_ncols=True)
 
     @property
