@@ -5,9 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ ! -x .venv/bin/python ]]; then
   python3 -m venv .venv
+  .venv/bin/pip install -q --upgrade pip "setuptools>=68"
 fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q torch==2.13.0
 fi
 .venv/bin/pip install -q --no-build-isolation -e ".[dev]"

@@ -18,18 +18,22 @@ def _result(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    torchrun(WORKER, 2, str(root / "uninterrupted"), json.dumps({"per_device_train_batch_size": 4}))
+
+    def knobs(kind: str) -> dict:
+        return {"out": str(root / kind), "per_device_train_batch_size": 4, "save_strategy": "steps",
+                "save_steps": 5, "fsdp_config": {"state_dict_type": kind}}
+
+    first_halves = [{**knobs(kind), "stop_after": 5} for kind in TYPES]
+    torchrun(WORKER, 2, json.dumps([{"out": str(root / "uninterrupted"), "per_device_train_batch_size": 4},
+                                    *first_halves]))
     for kind in TYPES:
-        knobs = {"per_device_train_batch_size": 4, "save_strategy": "steps", "save_steps": 5,
-                 "fsdp_config": {"state_dict_type": kind}}
-        torchrun(WORKER, 2, str(root / kind), json.dumps({**knobs, "stop_after": 5}))
         shutil.copytree(root / kind, root / f"{kind}-first-half")
-        torchrun(WORKER, 2, str(root / kind), json.dumps({**knobs, "resume": True}))
-    sharded = root / "SHARDED_STATE_DICT-first-half" / "checkpoint-5"
-    sharded_knobs = {"save_strategy": "no", "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"},
-                     "resume": str(sharded)}
-    python(WORKER, str(root / "on1"), json.dumps({**sharded_knobs, "per_device_train_batch_size": 8}))
-    torchrun(WORKER, 4, str(root / "on4"), json.dumps({**sharded_knobs, "per_device_train_batch_size": 2}))
+    # a new process: model, optimizer, scheduler, RNG and data position come from disk only
+    torchrun(WORKER, 2, json.dumps([{**knobs(kind), "resume": True} for kind in TYPES]))
+    sharded = {"save_strategy": "no", "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"},
+               "resume": str(root / "SHARDED_STATE_DICT-first-half" / "checkpoint-5")}
+    python(WORKER, json.dumps([{**sharded, "out": str(root / "on1"), "per_device_train_batch_size": 8}]))
+    torchrun(WORKER, 4, json.dumps([{**sharded, "out": str(root / "on4"), "per_device_train_batch_size": 2}]))
     return root
 
 

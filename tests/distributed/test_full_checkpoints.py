@@ -22,14 +22,14 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
     common = {"per_device_train_batch_size": 4, "max_steps": 4, "save_strategy": "steps", "save_steps": 4,
               "probe": True}
-    torchrun(WORKERS / "train_run.py", 2, str(root / "llama"), json.dumps({
-        **common, "save_model": str(root / "llama" / "final"), "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}))
-    torchrun(WORKERS / "train_run.py", 2, str(root / "tied"), json.dumps({
-        **common, "model": "llama_tied", "save_model": str(root / "tied" / "final"),
-        "fsdp_config": {"activation_checkpointing": True}}))
-    torchrun(WORKERS / "train_run.py", 2, str(root / "bert"), json.dumps({
-        **common, "max_steps": 3, "save_steps": 3, "model": "bert", "save_model": str(root / "bert" / "final"),
-        "fsdp_config": {"transformer_layer_cls_to_wrap": "BertLayer"}, "learning_rate": 1e-4}))
+    torchrun(WORKERS / "train_run.py", 2, json.dumps([
+        {**common, "out": str(root / "llama"), "save_model": str(root / "llama" / "final"),
+         "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}},
+        {**common, "out": str(root / "tied"), "model": "llama_tied", "save_model": str(root / "tied" / "final"),
+         "fsdp_config": {"activation_checkpointing": True}},
+        {**common, "out": str(root / "bert"), "max_steps": 3, "save_steps": 3, "model": "bert",
+         "save_model": str(root / "bert" / "final"), "fsdp_config": {"transformer_layer_cls_to_wrap": "BertLayer"},
+         "learning_rate": 1e-4}]))
     return root
 
 
@@ -68,8 +68,9 @@ def test_merge_equals_save_model(trained, run, tmp_path):
 
 
 def test_merge_command_line(trained, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "shardtrain.cli.main", "merge", str(trained / "llama" / "checkpoint-4"),
-                           str(tmp_path / "merged")], capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "shardtrain.cli.main", "merge", str(trained / "llama" / "checkpoint-4"),
+           str(tmp_path / "merged")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     model = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged"))
     _probe_matches(model, trained / "llama")

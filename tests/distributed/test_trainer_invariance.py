@@ -18,15 +18,15 @@ SPLITS = {  # name: (ranks, per-device batch, accumulation)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("invariance")
-    out = {}
-    for name, (ranks, batch, accum) in SPLITS.items():
-        knobs = json.dumps({"per_device_train_batch_size": batch, "gradient_accumulation_steps": accum})
+    for ranks in (1, 2, 4):
+        jobs = json.dumps([{"out": str(root / name), "per_device_train_batch_size": batch,
+                            "gradient_accumulation_steps": accum}
+                           for name, (world, batch, accum) in SPLITS.items() if world == ranks])
         if ranks == 1:
-            python(WORKER, str(root / name), knobs)  # a plain single process: no launcher
+            python(WORKER, jobs)  # a plain single process: no launcher
         else:
-            torchrun(WORKER, ranks, str(root / name), knobs)
-        out[name] = json.loads((root / name / "result.json").read_text())
-    return out
+            torchrun(WORKER, ranks, jobs)
+    return {name: json.loads((root / name / "result.json").read_text()) for name in SPLITS}
 
 
 @pytest.mark.parametrize("name", [n for n in SPLITS if n != "1x8"])

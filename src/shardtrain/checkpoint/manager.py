@@ -94,9 +94,10 @@ def checkpoint_kind(path: Path) -> str:
                           "directory written by shardtrain")
 
 
-def _fault_point(name: str) -> None:
-    """Fault injection for the crash-safety tests: SHARDTRAIN_FAULT="<name>:<rank>" SIGKILLs that rank here."""
-    if os.environ.get("SHARDTRAIN_FAULT") == f"{name}:{dist.get_rank()}":
+def _fault_point(name: str, step: int) -> None:
+    """Fault injection for the crash-safety tests: SHARDTRAIN_FAULT="<name>:<rank>:<step>" SIGKILLs that rank
+    when it reaches `name` while saving `step`."""
+    if os.environ.get("SHARDTRAIN_FAULT") == f"{name}:{dist.get_rank()}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -149,7 +150,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        _fault_point("save_start")
+        _fault_point("save_start", step)
         with_optim = self.optimizer is not None and not model_only
         if self.state_dict_type == "SHARDED_STATE_DICT":
             payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
@@ -164,7 +165,7 @@ class CheckpointManager:
             if with_optim:
                 dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
                          checkpoint_id=str(tmp / "optimizer"))
-        _fault_point("after_model")
+        _fault_point("after_model", step)
         torch.save(rng_state(), tmp / f"rng_state_{self.rank}.pt")
         if self.rank == 0:
             config = model_config_dict(self.model)
@@ -175,7 +176,7 @@ class CheckpointManager:
                 (tmp / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / "trainer_state.json")
         barrier()
-        _fault_point("before_commit")
+        _fault_point("before_commit", step)
         if self.rank == 0:
             _fsync_tree(tmp)
             if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
@@ -187,7 +188,7 @@ class CheckpointManager:
             else:
                 tmp.rename(final)
             _fsync_dir(self.output_dir)
-            _fault_point("before_rotate")
+            _fault_point("before_rotate", step)
             self._rotate(keep=state.best_model_checkpoint)
         barrier()
         return final

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tiny_models import tiny_llama, token_batches
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardtrain import apply_fsdp, destroy_distributed, init_distributed
 

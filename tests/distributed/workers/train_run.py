@@ -1,9 +1,11 @@
-"""Train a tiny Llama (or the packaged BERT) with the Trainer and write what happened; knobs come as JSON.
+"""Train a tiny Llama (or the packaged BERT) with the Trainer and write what happened; jobs come as JSON.
 
-torchrun --nproc_per_node 2 train_run.py OUT_DIR '{"per_device_train_batch_size": 4, "max_steps": 10}'
-Keys besides TrainingArguments fields: "model" (llama | llama_tied | bert), "dataset_size", "resume" (passed to
-train()), "stop_after" (a callback stops the run after that step), "save_model" (dir), "probe" (write the
-final model's logits on a fixed batch to OUT_DIR/probe.pt).
+torchrun --nproc_per_node 2 train_run.py '[{"out": "OUT_DIR", "per_device_train_batch_size": 4, "max_steps": 10}]'
+Jobs run one after the other in this process group (each with a fresh model and Trainer: a resume job reads
+everything from disk), which saves a process start per job. Keys besides TrainingArguments fields: "out",
+"model" (llama | llama_tied | bert), "dataset_size", "resume" (passed to train()), "stop_after" (a callback
+stops the run after that step), "save_model" (dir), "probe" (the final model's logits on a fixed batch go to
+OUT/probe.pt). Rank 0 writes OUT/result.json.
 """
 
 import json
@@ -41,8 +43,8 @@ def build(name: str):
     return tiny_llama(tie=name == "llama_tied"), None
 
 
-def main() -> None:
-    out, knobs = Path(sys.argv[1]), json.loads(sys.argv[2])
+def run_job(knobs: dict) -> None:
+    out = Path(knobs.pop("out"))
     model, data = build(knobs.pop("model", "llama"))
     data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96))
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
@@ -70,6 +72,11 @@ def main() -> None:
             "steps": [e["step"] for e in train_logs], "losses": [e["loss"] for e in train_logs],
             "grad_norms": [e["grad_norm"] for e in train_logs], "lrs": [e["learning_rate"] for e in train_logs],
             "eval_loss": metrics["eval_loss"], "global_step": state.global_step}))
+
+
+def main() -> None:
+    for job in json.loads(sys.argv[1]):
+        run_job(job)
     destroy_distributed()
 
 
