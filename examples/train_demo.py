@@ -47,11 +47,11 @@ def demo_model_config() -> LlamaConfig:
 
 
 def answer_accuracy(prediction: EvalPrediction) -> dict[str, float]:
-    """Share of samples whose every answer token is predicted right (teacher forcing)."""
+    """Exact match (every answer token right) and per-token accuracy on the answers (teacher forcing)."""
     preds, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
     mask = labels != -100
-    correct = ((preds == labels) | ~mask).all(axis=1)
-    return {"accuracy": float(correct.mean())}
+    hits = (preds == labels) & mask
+    return {"accuracy": float((hits | ~mask).all(axis=1).mean()), "token_accuracy": float(hits.sum() / mask.sum())}
 
 
 def main() -> None:
@@ -90,7 +90,9 @@ def main() -> None:
             "ranks": dist.get_world_size(), "steps": state.global_step, "seconds": round(seconds, 1),
             "first_train_loss": round(train_losses[0], 4), "final_train_loss": round(train_losses[-1], 4),
             "eval_loss_before": round(before["eval_loss"], 4), "eval_loss_after": round(after["eval_loss"], 4),
-            "eval_accuracy_before": before["eval_accuracy"], "eval_accuracy_after": after["eval_accuracy"],
+            "eval_exact_match_before": before["eval_accuracy"], "eval_exact_match_after": after["eval_accuracy"],
+            "eval_token_accuracy_before": round(before["eval_token_accuracy"], 4),
+            "eval_token_accuracy_after": round(after["eval_token_accuracy"], 4),
             "tokens_per_second": round(state.num_input_tokens_seen / seconds, 1),
             "peak_memory_mb_per_rank": peaks, "checkpoint": str(CheckpointManager.list_checkpoints(cli.output_dir)[-1]),
             "final_model": str(final_dir),
