@@ -40,7 +40,7 @@ def make_dataset(n: int, seed: int, digits: int) -> list[dict[str, list[int]]]:
 
 
 def demo_model_config() -> LlamaConfig:
-    """The demo's model (also used by the benchmarks): ~0.8M parameters."""
+    """The demo's model (also used by the benchmarks): 599,168 parameters."""
     return LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)

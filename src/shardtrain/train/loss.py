@@ -44,15 +44,18 @@ class LossComputer:
             labels = labels[:, 1:]
         return (labels != IGNORE_INDEX).sum()
 
-    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
-        """(target tokens, input tokens) over all micro-batches of all ranks, in one all-reduce."""
+    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dist.Work]:
+        """Start summing (target tokens, input tokens) over all micro-batches of all ranks.
+
+        Returns the counts tensor and the pending all-reduce: wait on it only when the numbers are needed
+        (before the first backward), so the collective overlaps the first forward.
+        """
         counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         for batch in batches:
             counts[0] += self.items(batch["labels"])
             mask = batch.get("attention_mask")
-            counts[1] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-        dist.all_reduce(counts)
-        return int(counts[0]), int(counts[1])
+            counts[1] += mask.sum() if mask is not None else batch["input_ids"].numel()
+        return counts, dist.all_reduce(counts, async_op=True)
 
     def _autocast(self):
         if self.bf16_autocast:
@@ -71,8 +74,9 @@ class LossComputer:
             return outputs["loss"] * self.items(labels), None
         if labels.dim() == 1:
             return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"), logits
-        flat_logits, flat_labels = (logits[:, :-1], labels[:, 1:]) if self.shift_labels else (logits, labels)
-        loss = F.cross_entropy(flat_logits.reshape(-1, flat_logits.shape[-1]).float(), flat_labels.reshape(-1),
+        if self.shift_labels:  # shift the labels, not the logits: no copy of the logits, no padded grad
+            labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, logits
 
