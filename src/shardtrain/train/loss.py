@@ -44,18 +44,15 @@ class LossComputer:
             labels = labels[:, 1:]
         return (labels != IGNORE_INDEX).sum()
 
-    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, dist.Work]:
-        """Start summing (target tokens, input tokens) over all micro-batches of all ranks.
-
-        Returns the counts tensor and the pending all-reduce: wait on it only when the numbers are needed
-        (before the first backward), so the collective overlaps the first forward.
-        """
+    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
+        """(target tokens, input tokens) over all micro-batches of all ranks, in one all-reduce."""
         counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         for batch in batches:
             counts[0] += self.items(batch["labels"])
             mask = batch.get("attention_mask")
-            counts[1] += mask.sum() if mask is not None else batch["input_ids"].numel()
-        return counts, dist.all_reduce(counts, async_op=True)
+            counts[1] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+        dist.all_reduce(counts)
+        return int(counts[0]), int(counts[1])
 
     def _autocast(self):
         if self.bf16_autocast:

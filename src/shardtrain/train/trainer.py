@@ -194,19 +194,15 @@ class Trainer:
             of input tokens is added to `state.num_input_tokens_seen`.
         """
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
-        counts, pending = self.loss.count_global_items(batches)
+        tokens, input_tokens = self.loss.count_global_items(batches)
+        # FSDP averages gradients over data-parallel ranks; scale so that they add up to d(sum / tokens).
+        scale = self.world_size / max(tokens, 1)
         loss_sum = torch.zeros((), device=self.device)
-        scale = 0.0
         for index, batch in enumerate(batches):
             last = index == len(batches) - 1
             if isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(last)  # reduce-scatter once per step, not per micro-step
             micro_sum = self.loss(batch)
-            if index == 0:
-                pending.wait()
-                tokens, input_tokens = int(counts[0]), int(counts[1])
-                # FSDP averages gradients over data-parallel ranks; scale so that they add up to d(sum / tokens).
-                scale = self.world_size / max(tokens, 1)
             (micro_sum * scale).backward()
             loss_sum += micro_sum.detach().float()
         grad_norm = clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
