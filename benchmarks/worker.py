@@ -1,0 +1,535 @@
+"""One benchmark measurement; `compare.py` launches it (this is what it runs):
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 \\
+        benchmarks/worker.py --mode raw --size tiny --steps 60 --warmup 10 --out /tmp/raw_tiny.json
+    # --mode raw | shardtrain | hf   (training throughput + memory, 2 ranks); raw_head: raw + a norm/lm_head unit
+    # --mode state --sizes tiny,50m  (model-state bytes per rank after one AdamW step, any number of ranks;
+    #                                 --submeshes 1,2,4 on 4 ranks measures N = 1, 2, 4 in one launch)
+    OMP_NUM_THREADS=1 python benchmarks/worker.py --mode single --sizes tiny,50m --steps 10 --warmup 2 \\
+        --out /tmp/single.json       # one process, no FSDP, per-rank batch: the compute lower bound
+    # --profile torch    (raw: torch.profiler key_averages of rank 0 -> <out>.profile.txt)
+    # --profile cprofile (shardtrain / raw: cProfile of rank 0's timed steps -> <out>.cprofile.txt, .pstats)
+    # --profile stages   (raw / shardtrain: wall, user, sys ms and page faults per stage -> <out>.stages.json)
+
+Rank 0 writes one JSON object to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import resource
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from bench_common import (
+    LAYER_CLASS,
+    LEARNING_RATE,
+    MAX_GRAD_NORM,
+    SEED,
+    SIZES,
+    WEIGHT_DECAY,
+    MemoryBaseline,
+    SizeSpec,
+    StepTimer,
+    build_model,
+    gather_to_rank0,
+    grad_bytes,
+    make_samples,
+    optimizer_state_bytes,
+    param_bytes,
+    sharding_facts,
+    stack,
+    summarize_steps,
+)
+from torch.distributed.tensor import DTensor
+
+
+# -- profiling helpers ----------------------------------------------------------------------------------
+class Profiler:
+    """Optional profiling of the timed steps on rank 0: torch.profiler or cProfile."""
+
+    def __init__(self, kind: str, out: Path, rank: int, steps: int) -> None:
+        self.kind = kind if rank == 0 else "none"
+        self.out, self.steps = out, steps
+        self.torch_prof: torch.profiler.profile | None = None
+        self.cprof: cProfile.Profile | None = None
+
+    def start(self) -> None:
+        if self.kind == "torch":
+            self.torch_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                     record_shapes=False)
+            self.torch_prof.__enter__()
+        elif self.kind == "cprofile":
+            # CPU time, not wall time: attributes work, not waiting (and is less skewed by other load)
+            self.cprof = cProfile.Profile(time.process_time)
+            self.cprof.enable()
+
+    def stop(self) -> None:
+        if self.torch_prof is not None:
+            self.torch_prof.__exit__(None, None, None)
+            averages = self.torch_prof.key_averages()
+            table = averages.table(sort_by="self_cpu_time_total", row_limit=40)
+            Path(f"{self.out}.profile.txt").write_text(
+                f"# torch.profiler key_averages, rank 0, {self.steps} timed steps (divide totals by it)\n{table}\n")
+            rows = [{"name": e.key, "count": e.count, "self_cpu_us": e.self_cpu_time_total,
+                     "cpu_us": e.cpu_time_total} for e in averages]
+            Path(f"{self.out}.profile.json").write_text(json.dumps({"steps": self.steps, "ops": rows}))
+            self.torch_prof = None
+        if self.cprof is not None:
+            self.cprof.disable()
+            buf = io.StringIO()
+            stats = pstats.Stats(self.cprof, stream=buf)
+            buf.write(f"# cProfile (CPU time), rank 0, {self.steps} timed steps (divide times by it)\n")
+            stats.sort_stats("cumulative").print_stats(70)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.dump_stats(f"{self.out}.pstats")
+            Path(f"{self.out}.cprofile.txt").write_text(buf.getvalue())
+            self.cprof = None
+
+
+class StageMeter:
+    """`--profile stages`: wall time, user / system CPU and minor page faults of each stage of a step (rank 0).
+
+    Stages are timed with `with meter("name"):` in the raw loop, or by wrapping the Trainer's callees.
+    """
+
+    def __init__(self, enabled: bool, out: Path) -> None:
+        self.enabled, self.out = enabled, out
+        self.active = False
+        self.samples: dict[str, list[tuple[float, float, float, float]]] = {}
+
+    @staticmethod
+    def _now() -> tuple[float, float, float, float]:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), usage.ru_utime, usage.ru_stime, float(usage.ru_minflt)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not (self.enabled and self.active):
+            yield
+            return
+        before = self._now()
+        try:
+            yield
+        finally:
+            after = self._now()
+            self.samples.setdefault(name, []).append(tuple(b - a for a, b in zip(before, after, strict=True)))
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        """Replace `owner.attr` by a timed call (class or instance attribute)."""
+        original = getattr(owner, attr)
+        meter = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with meter(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attr, timed)
+
+    def write(self, steps: int) -> None:
+        if not self.enabled:
+            return
+        rows = {}
+        for name, values in self.samples.items():
+            per_step = len(values) / max(steps, 1)
+            rows[name] = {"calls_per_step": round(per_step, 2),
+                          **{f"{key}_per_step": round(sum(v[i] for v in values) / max(steps, 1) * scale, 2)
+                             for i, (key, scale) in enumerate((("wall_ms", 1e3), ("user_ms", 1e3), ("sys_ms", 1e3),
+                                                                ("minor_faults", 1)))}}
+        Path(f"{self.out}.stages.json").write_text(json.dumps({"steps": steps, "stages": rows}, indent=1))
+
+
+# -- distributed set-up --------------------------------------------------------------------------------
+def init_group() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+
+
+def data_for_run(spec: SizeSpec, world: int, total_steps: int) -> list[dict[str, torch.Tensor]]:
+    """Exactly one epoch: `total_steps` global batches of per_device_batch x world samples."""
+    return make_samples(spec, total_steps * spec.per_device_batch * world)
+
+
+def finish(result: dict[str, Any], baseline: MemoryBaseline, out: Path, per_rank: dict[str, Any]) -> None:
+    per_rank = {**per_rank, **baseline.report()}
+    ranks = gather_to_rank0(per_rank)
+    if dist.get_rank() == 0:
+        result["per_rank"] = ranks
+        result["peak_rss_delta_bytes_max"] = max(r["peak_rss_delta_bytes"] for r in ranks)
+        out.write_text(json.dumps(result, indent=1))
+
+
+# -- raw: the smallest loop on fully_shard ------------------------------------------------------------
+def run_raw(cli: argparse.Namespace, spec: SizeSpec) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    init_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = cli.warmup + cli.steps
+    samples = data_for_run(spec, world, total)
+    baseline = MemoryBaseline()
+    model = build_model(spec)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if cli.head_unit:  # shardtrain's extra unit: final norm + lm_head, kept gathered between forward and backward
+        fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG: SUM, then divide
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    model.train()
+    batch_size = spec.per_device_batch
+    loss_sum = torch.zeros(())
+    grads_bytes = 0
+    timer, prof = StepTimer(), Profiler(cli.profile, cli.out, rank, cli.steps)
+    stage = StageMeter(cli.profile == "stages" and rank == 0, cli.out)
+    timer.mark()
+    for step in range(total):
+        if step == cli.warmup:
+            prof.start()
+            stage.active = True
+        with stage("data"):
+            start = (step * world + rank) * batch_size
+            batch = stack(samples[start:start + batch_size])
+        with stage("forward + loss"):
+            loss = model(**batch).loss
+        with stage("backward"):
+            loss.backward()
+        with stage("clip grad norm"):
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX_GRAD_NORM, norm, foreach=True)
+        if step == 0:
+            grads_bytes = grad_bytes(model)
+        with stage("optimizer.step"):
+            optimizer.step()
+        with stage("zero_grad"):
+            optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss.detach()
+        timer.mark()
+    prof.stop()
+    stage.write(cli.steps)
+    tokens = spec.per_device_batch * spec.seq_len * world
+    result = {"mode": "raw_head" if cli.head_unit else "raw", "size": spec.name, "world_size": world,
+              "timing": summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens),
+              "rusage_per_step_rank0": timer.usage_per_step(cli.warmup),
+              "mean_loss_rank0": float(loss_sum) / total, "sharding": sharding_facts(model)}
+    per_rank = {"param_bytes": param_bytes(model), "grad_bytes": grads_bytes,
+                "optimizer_state_bytes": optimizer_state_bytes(optimizer), "sharding": sharding_facts(model)}
+    finish(result, baseline, cli.out, per_rank)
+
+
+# -- shardtrain Trainer --------------------------------------------------------------------------------
+def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
+    from shardtrain import Trainer, TrainingArguments
+    from shardtrain.parallel.distributed import init_distributed
+    from shardtrain.train.state import TrainerCallback
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = cli.warmup + cli.steps
+    samples = data_for_run(spec, world, total)
+    baseline = MemoryBaseline()
+    timer, prof = StepTimer(), Profiler(cli.profile, cli.out, rank, cli.steps)
+    stage = StageMeter(cli.profile == "stages" and rank == 0, cli.out)
+    holder: dict[str, Any] = {"grad_bytes": 0}
+
+    class Timing(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
+            optimizer = holder["trainer"].optimizer
+
+            def measure_grads(opt, *_: Any) -> None:
+                if not holder["grad_bytes"]:
+                    holder["grad_bytes"] = grad_bytes(kwargs["model"])
+
+            optimizer.register_step_pre_hook(measure_grads)
+            timer.mark()
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
+            timer.mark()
+            if state.global_step == cli.warmup:
+                prof.start()
+                stage.active = True
+
+        def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
+            prof.stop()
+            stage.active = False
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=spec.per_device_batch, max_steps=total,
+            learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
+            lr_scheduler_type="linear", warmup_steps=0, seed=SEED, logging_steps=10**9, save_strategy="no",
+            report_to="none", disable_tqdm=True, fsdp=True,
+            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYER_CLASS],
+                         "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"})
+        trainer = Trainer(build_model(spec), args, train_dataset=samples, callbacks=[Timing()])
+        holder["trainer"] = trainer
+        if stage.enabled:
+            _meter_trainer(stage, trainer, total)
+        state = trainer.train()
+    stage.write(cli.steps)
+    losses = [e["loss"] for e in state.log_history if "loss" in e]
+    tokens = spec.per_device_batch * spec.seq_len * world
+    result = {"mode": "shardtrain", "size": spec.name, "world_size": world,
+              "timing": summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens),
+              "rusage_per_step_rank0": timer.usage_per_step(cli.warmup),
+              "global_steps": state.global_step, "mean_loss": losses[-1] if losses else None,
+              "sharding": sharding_facts(trainer.model)}
+    per_rank = {"param_bytes": param_bytes(trainer.model), "grad_bytes": holder["grad_bytes"],
+                "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizer),
+                "sharding": sharding_facts(trainer.model)}
+    finish(result, baseline, cli.out, per_rank)
+
+
+def _meter_trainer(stage: StageMeter, trainer: Any, total_steps: int) -> None:
+    """Time the Trainer's callees by stage (same names as the raw loop's stages where they match)."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    from shardtrain.train import trainer as trainer_module
+    from shardtrain.train.loss import LossComputer
+
+    trainer.create_optimizer_and_scheduler(total_steps)  # train() keeps an existing optimizer / scheduler
+    stage.wrap(_BaseDataLoaderIter, "__next__", "data")
+    stage.wrap(LossComputer, "count_global_items", "count_global_items (all_reduce)")
+    stage.wrap(LossComputer, "__call__", "forward + loss")
+    stage.wrap(torch.Tensor, "backward", "backward")
+    stage.wrap(trainer_module, "clip_grad_norm", "clip grad norm")
+    stage.wrap(trainer.optimizer, "step", "optimizer.step")
+    stage.wrap(trainer.lr_scheduler, "step", "lr_scheduler.step")
+    stage.wrap(trainer.optimizer, "zero_grad", "zero_grad")
+    stage.wrap(trainer, "_maybe_log_evaluate_save", "log / evaluate / save checks")
+    stage.wrap(trainer, "training_step", "Trainer.training_step (total)")
+
+
+# -- Hugging Face transformers.Trainer -----------------------------------------------------------------
+def run_hf(cli: argparse.Namespace, spec: SizeSpec) -> None:
+    import accelerate
+    import transformers
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainerCallback as HFCallback
+    from transformers import TrainingArguments as HFArguments
+
+    init_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = cli.warmup + cli.steps
+    samples = data_for_run(spec, world, total)
+    baseline = MemoryBaseline()
+    timer = StepTimer()
+    holder: dict[str, Any] = {"grad_bytes": 0}
+
+    class Timing(HFCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
+            optimizer = kwargs.get("optimizer")
+            inner = getattr(optimizer, "optimizer", optimizer)
+            model = kwargs.get("model")
+
+            def measure_grads(opt, *_: Any) -> None:
+                if not holder["grad_bytes"]:
+                    holder["grad_bytes"] = grad_bytes(model)
+
+            if inner is not None:
+                inner.register_step_pre_hook(measure_grads)
+            timer.mark()
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
+            timer.mark()
+
+    result: dict[str, Any] = {"mode": "hf", "size": spec.name, "world_size": world,
+                              "transformers_version": transformers.__version__,
+                              "accelerate_version": accelerate.__version__}
+    per_rank: dict[str, Any] = {}
+    fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": [LAYER_CLASS], "reshard_after_forward": True,
+                   "state_dict_type": "FULL_STATE_DICT"}
+    result["hf_arguments"] = {"fsdp": True, "fsdp_config": dict(fsdp_config), "use_cpu": True,
+                              "optim": "adamw_torch"}
+    tmp = tempfile.mkdtemp(prefix="bench_hf_")
+    trainer = None
+    try:
+        args = HFArguments(
+            output_dir=tmp, per_device_train_batch_size=spec.per_device_batch, max_steps=total,
+            learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
+            lr_scheduler_type="linear", warmup_steps=0, seed=SEED, logging_steps=10**9, save_strategy="no",
+            report_to="none", disable_tqdm=True, use_cpu=True, fsdp=True, fsdp_config=fsdp_config,
+            optim="adamw_torch", dataloader_num_workers=0, dataloader_drop_last=True)
+        trainer = HFTrainer(model=build_model(spec), args=args, train_dataset=samples, callbacks=[Timing()])
+        output = trainer.train()
+        tokens = spec.per_device_batch * spec.seq_len * world
+        result["timing"] = summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens)
+        result["rusage_per_step_rank0"] = timer.usage_per_step(cli.warmup)
+        result["global_steps"] = trainer.state.global_step
+        result["mean_loss"] = output.training_loss
+    except Exception as err:  # record what HF did and go on (its CPU path is part of what we measure)
+        result["error"] = f"{type(err).__name__}: {err}"[:2000]
+        result["traceback_tail"] = traceback.format_exc()[-3000:]
+        print(f"[rank {rank}] hf failed: {result['error']}", file=sys.stderr, flush=True)
+    if trainer is not None:
+        accel = getattr(trainer, "accelerator", None)
+        facts = {
+            "model_wrapped_type": type(trainer.model_wrapped).__name__,
+            "model_type": type(trainer.model).__name__,
+            "accelerate_distributed_type": str(getattr(getattr(accel, "state", None), "distributed_type", None)),
+            "is_fsdp_enabled": bool(getattr(trainer, "is_fsdp_enabled", False)),
+            "ddp_find_unused_parameters": getattr(trainer.model_wrapped, "find_unused_parameters", None),
+            **sharding_facts(trainer.model_wrapped),
+        }
+        result["what_hf_did"] = facts
+        per_rank["sharding"] = facts
+        per_rank["param_bytes"] = param_bytes(trainer.model_wrapped)
+        per_rank["grad_bytes"] = holder["grad_bytes"]
+        if trainer.optimizer is not None:
+            inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            per_rank["optimizer_state_bytes"] = optimizer_state_bytes(inner)
+    if "error" in result:
+        # a failure may be on one rank only; do not enter collectives that could hang
+        if rank == 0:
+            result["per_rank"] = [{**per_rank, **baseline.report()}]
+            cli.out.write_text(json.dumps(result, indent=1))
+        return
+    finish(result, baseline, cli.out, per_rank)
+
+
+# -- single process, no FSDP: compute lower bound -------------------------------------------------------
+def run_single(cli: argparse.Namespace, specs: list[SizeSpec]) -> None:
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {"mode": "single", "threads": torch.get_num_threads()}
+    for spec in specs:
+        total = cli.warmup + cli.steps
+        samples = make_samples(spec, total * spec.per_device_batch)
+        model = build_model(spec)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+        timer = StepTimer(use_barrier=False)
+        timer.mark()
+        for step in range(total):
+            batch = stack(samples[step * spec.per_device_batch:(step + 1) * spec.per_device_batch])
+            model(**batch).loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            timer.mark()
+        tokens = spec.per_device_batch * spec.seq_len
+        results[spec.name] = {"timing": summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens),
+                              "rusage_per_step_rank0": timer.usage_per_step(cli.warmup),
+                              "num_params": sum(p.numel() for p in model.parameters())}
+        del model, optimizer
+        gc.collect()
+    cli.out.write_text(json.dumps(results, indent=1))
+
+
+# -- model-state bytes per rank after one AdamW step under shardtrain.apply_fsdp ------------------------
+def _state_meshes(world: int, groups: str | None) -> list[tuple[int, Any]]:
+    """(N, mesh) pairs: the whole world (mesh None: apply_fsdp's default), or sub-meshes of N ranks each."""
+    if not groups:
+        return [(world, None)]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    for n in (int(x) for x in groups.split(",")):
+        if n == world:
+            out.append((n, None))
+        else:
+            mesh = init_device_mesh("cpu", (world // n, n), mesh_dim_names=("replicate", "shard"))
+            out.append((n, mesh["shard"]))
+    return out
+
+
+def run_state(cli: argparse.Namespace, specs: list[SizeSpec]) -> None:
+    from shardtrain.parallel.distributed import init_distributed
+    from shardtrain.parallel.fsdp import apply_fsdp
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, Any] = {"mode": "state", "world_size": world, "by_n": {}}
+    for n, mesh in _state_meshes(world, cli.submeshes):
+        by_size = results["by_n"].setdefault(str(n), {})
+        for spec in specs:
+            model = build_model(spec)
+            num_params = sum(p.numel() for p in model.parameters())
+            apply_fsdp(model, {"transformer_layer_cls_to_wrap": [LAYER_CLASS]}, mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+            batch = stack(make_samples(spec, world)[rank:rank + 1])
+            model(**batch).loss.backward()
+            optimizer.step()  # grads kept: the moment when params, grads and both moments all exist
+            state = optimizer_state_bytes(optimizer)
+            mine = {"param_bytes": param_bytes(model), "grad_bytes": grad_bytes(model),
+                    "exp_avg_bytes": state.get("exp_avg", 0), "exp_avg_sq_bytes": state.get("exp_avg_sq", 0),
+                    "step_bytes": state.get("step", 0),
+                    "step_tensors": sum(1 for s in optimizer.state.values() if "step" in s),
+                    "param_storage_bytes_incl_padding": sum(
+                        {id(p.to_local().untyped_storage()): p.to_local().untyped_storage().nbytes()
+                         for p in model.parameters() if isinstance(p, DTensor)}.values())}
+            mine["model_state_bytes"] = mine["param_bytes"] + mine["grad_bytes"] + mine["exp_avg_bytes"] \
+                + mine["exp_avg_sq_bytes"]
+            ranks = gather_to_rank0(mine)
+            if rank == 0:
+                ranks = ranks[:n]  # with sub-meshes, ranks 0..n-1 form the first mesh
+                formula = 16 * num_params / n
+                worst = max(r["model_state_bytes"] for r in ranks)
+                by_size[spec.name] = {
+                    "num_params": num_params, "formula_bytes_16P_over_N": formula,
+                    "measured_bytes_max_rank": worst, "ratio_measured_over_formula": worst / formula,
+                    "ratio_with_step_tensors": max(r["model_state_bytes"] + r["step_bytes"] for r in ranks) / formula,
+                    "method": f"apply_fsdp on a world of {n} gloo ranks" if mesh is None else
+                              f"apply_fsdp on a {n}-rank sub-mesh of a {world}-rank gloo world",
+                    "per_rank": ranks}
+            del model, optimizer
+            gc.collect()
+    if rank == 0:
+        results["note"] = ("measured = local params + grads + exp_avg + exp_avg_sq (fp32) of the largest rank, "
+                           "after one AdamW step with grads still held; AdamW's 'step' is one unsharded 4-byte "
+                           "tensor per parameter tensor, reported apart (step_bytes, ratio_with_step_tensors)")
+        cli.out.write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", required=True, choices=["raw", "raw_head", "shardtrain", "hf", "single", "state"],
+                        help="raw_head: raw plus shardtrain's extra FSDP unit (final norm + lm_head)")
+    parser.add_argument("--size", choices=sorted(SIZES), help="model size (raw / shardtrain / hf)")
+    parser.add_argument("--sizes", default="tiny,50m", help="comma list (single / state)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--submeshes", default=None,
+                        help="state: comma list of N; measure each on sub-meshes of N ranks of this world")
+    parser.add_argument("--profile", default="none", choices=["none", "torch", "cprofile", "stages"])
+    parser.add_argument("--out", type=Path, required=True)
+    cli = parser.parse_args()
+    cli.head_unit = cli.mode == "raw_head"
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    started = time.perf_counter()
+    if cli.mode in ("single", "state"):
+        specs = [SIZES[name] for name in cli.sizes.split(",") if name]
+        (run_single if cli.mode == "single" else run_state)(cli, specs)
+    else:
+        if cli.size is None:
+            parser.error(f"--mode {cli.mode} needs --size")
+        runners = {"raw": run_raw, "raw_head": run_raw, "shardtrain": run_shardtrain, "hf": run_hf}
+        runners[cli.mode](cli, SIZES[cli.size])
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    print(f"worker {cli.mode} done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
+
