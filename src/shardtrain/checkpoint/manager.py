@@ -101,21 +101,19 @@ def _fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*"), reverse=True):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush one file or directory entry to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then the directories, `root` last."""
+    for path in [*sorted(root.rglob("*"), reverse=True), root]:
+        _fsync(path)
 
 
 class CheckpointManager:
@@ -187,7 +185,7 @@ class CheckpointManager:
                 shutil.rmtree(old)
             else:
                 tmp.rename(final)
-            _fsync_dir(self.output_dir)
+            _fsync(self.output_dir)
             _fault_point("before_rotate", step)
             self._rotate(keep=state.best_model_checkpoint)
         barrier()
