@@ -240,13 +240,14 @@ def main() -> None:
     modes = [m for m in cli.modes.split(",") if m]
     sys.path.insert(0, str(HERE))
     import torch
-    from bench_common import LAYER_CLASS, LEARNING_RATE, MAX_GRAD_NORM, SIZES, WEIGHT_DECAY, build_model
+    from bench_common import FUSED_ADAMW, LAYER_CLASS, LEARNING_RATE, MAX_GRAD_NORM, SIZES, WEIGHT_DECAY, build_model
 
     started = time.perf_counter()
     results: dict[str, Any] = {"machine": machine_info(), "config": {
         "quick": cli.quick, "repeats": repeats, "extra_worker_env": dict(EXTRA_ENV),
         "ranks": 2, "backend": "gloo", "threads_per_rank": 1,
-        "dtype": "float32", "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}, weight_decay={WEIGHT_DECAY})",
+        "dtype": "float32", "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE}, weight_decay={WEIGHT_DECAY}, "
+                                              f"fused={FUSED_ADAMW}); shardtrain and hf: no decay on 1-D parameters",
         "max_grad_norm": MAX_GRAD_NORM, "lr_schedule": "raw: constant; shardtrain and hf: linear decay, no warmup",
         "fsdp": {"units": LAYER_CLASS, "reshard_after_forward": True, "root_last": True,
                  "gloo_force_sum_reduction": True},

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_common import (
+    FUSED_ADAMW,
     LAYER_CLASS,
     LEARNING_RATE,
     MAX_GRAD_NORM,
@@ -193,7 +194,8 @@ def run_raw(cli: argparse.Namespace, spec: SizeSpec) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG: SUM, then divide
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
+                                  fused=FUSED_ADAMW)
     model.train()
     batch_size = spec.per_device_batch
     loss_sum = torch.zeros(())
@@ -280,6 +282,7 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
             learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
             lr_scheduler_type="linear", warmup_steps=0, seed=SEED, logging_steps=10**9, save_strategy="no",
             report_to="none", disable_tqdm=True, fsdp=True,
+            optim="adamw_torch_fused" if FUSED_ADAMW else "adamw_torch",
             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYER_CLASS],
                          "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"})
         trainer = Trainer(build_model(spec), args, train_dataset=samples, callbacks=[Timing()])
@@ -310,10 +313,10 @@ def _meter_trainer(stage: StageMeter, trainer: Any, total_steps: int) -> None:
 
     trainer.create_optimizer_and_scheduler(total_steps)  # train() keeps an existing optimizer / scheduler
     stage.wrap(_BaseDataLoaderIter, "__next__", "data")
-    stage.wrap(LossComputer, "count_global_items", "count_global_items (all_reduce)")
+    stage.wrap(LossComputer, "local_counts", "local token counts")
     stage.wrap(LossComputer, "__call__", "forward + loss")
     stage.wrap(torch.Tensor, "backward", "backward")
-    stage.wrap(trainer_module, "clip_grad_norm", "clip grad norm")
+    stage.wrap(trainer_module, "normalize_and_clip_grads", "clip grad norm (+ token count all_reduce)")
     stage.wrap(trainer.optimizer, "step", "optimizer.step")
     stage.wrap(trainer.lr_scheduler, "step", "lr_scheduler.step")
     stage.wrap(trainer.optimizer, "zero_grad", "zero_grad")
@@ -361,7 +364,7 @@ def run_hf(cli: argparse.Namespace, spec: SizeSpec) -> None:
     fsdp_config = {"version": 2, "transformer_layer_cls_to_wrap": [LAYER_CLASS], "reshard_after_forward": True,
                    "state_dict_type": "FULL_STATE_DICT"}
     result["hf_arguments"] = {"fsdp": True, "fsdp_config": dict(fsdp_config), "use_cpu": True,
-                              "optim": "adamw_torch"}
+                              "optim": "adamw_torch_fused" if FUSED_ADAMW else "adamw_torch"}
     tmp = tempfile.mkdtemp(prefix="bench_hf_")
     trainer = None
     try:
@@ -370,7 +373,8 @@ def run_hf(cli: argparse.Namespace, spec: SizeSpec) -> None:
             learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
             lr_scheduler_type="linear", warmup_steps=0, seed=SEED, logging_steps=10**9, save_strategy="no",
             report_to="none", disable_tqdm=True, use_cpu=True, fsdp=True, fsdp_config=fsdp_config,
-            optim="adamw_torch", dataloader_num_workers=0, dataloader_drop_last=True)
+            optim="adamw_torch_fused" if FUSED_ADAMW else "adamw_torch", dataloader_num_workers=0,
+            dataloader_drop_last=True)
         trainer = HFTrainer(model=build_model(spec), args=args, train_dataset=samples, callbacks=[Timing()])
         output = trainer.train()
         tokens = spec.per_device_batch * spec.seq_len * world
@@ -416,7 +420,8 @@ def run_single(cli: argparse.Namespace, specs: list[SizeSpec]) -> None:
         total = cli.warmup + cli.steps
         samples = make_samples(spec, total * spec.per_device_batch)
         model = build_model(spec)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
+                                      fused=FUSED_ADAMW)
         timer = StepTimer(use_barrier=False)
         timer.mark()
         for step in range(total):
@@ -465,7 +470,8 @@ def run_state(cli: argparse.Namespace, specs: list[SizeSpec]) -> None:
             model = build_model(spec)
             num_params = sum(p.numel() for p in model.parameters())
             apply_fsdp(model, {"transformer_layer_cls_to_wrap": [LAYER_CLASS]}, mesh)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
+                                          fused=FUSED_ADAMW)
             batch = stack(make_samples(spec, world)[rank:rank + 1])
             model(**batch).loss.backward()
             optimizer.step()  # grads kept: the moment when params, grads and both moments all exist

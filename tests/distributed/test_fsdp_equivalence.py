@@ -16,6 +16,8 @@ CASES = {
     "no_wrap": {"auto_wrap_policy": "NO_WRAP"},
     "no_shard": {"fsdp_sharding_strategy": "no_shard"},
     "cpu_offload": {"cpu_offload": True},
+    "output_unit": {"output_unit": True},
+    "output_unit_checkpointing": {"output_unit": True, "activation_checkpointing": True},
     "tied": {},
     "tied_checkpointing": {"activation_checkpointing": True, "reshard_after_forward": False},
 }
@@ -68,3 +70,11 @@ def test_bf16_close_to_fp32(runs):
     got, _ = _load(runs, "n2", "bf16")
     assert got["losses"] == pytest.approx(ref["losses"], abs=5e-3)
     assert got["losses"] != ref["losses"]  # really ran in bf16
+
+
+@pytest.mark.parametrize("case,units", [("default", 3), ("output_unit", 5), ("tied", 3), ("no_wrap", 1)])
+def test_fsdp_units(runs, case, units):
+    """FSDP modules: 2 decoder layers + root; norm and lm_head (one unit, two modules) only when asked for,
+    since this head is smaller than a layer."""
+    got, _ = _load(runs, "n2", case)
+    assert got["fsdp_modules"] == units

@@ -1,4 +1,5 @@
-"""The training trajectory depends on the global batch only: 1x8, 2x4, 2x2 (accumulation 2), 4x2 agree."""
+"""The training trajectory depends on the global batch only: 1x8, 2x4, 2x2 (accumulation 2), 4x2 agree,
+also when gradient shards are replicated (HSDP 2x2, no_shard), which the gradient norm must count once."""
 
 import json
 from pathlib import Path
@@ -7,11 +8,13 @@ import pytest
 from launch import python, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "train_run.py"
-SPLITS = {  # name: (ranks, per-device batch, accumulation)
-    "1x8": (1, 8, 1),
-    "2x4": (2, 4, 1),
-    "2x2x2": (2, 2, 2),
-    "4x2": (4, 2, 1),
+SPLITS = {  # name: (ranks, per-device batch, accumulation, fsdp_config)
+    "1x8": (1, 8, 1, {}),
+    "2x4": (2, 4, 1, {}),
+    "2x2x2": (2, 2, 2, {}),
+    "4x2": (4, 2, 1, {}),
+    "4x2_hsdp": (4, 2, 1, {"sharding_strategy": "hybrid_shard", "dp_shard_size": 2}),
+    "4x2_no_shard": (4, 2, 1, {"sharding_strategy": "no_shard"}),
 }
 
 
@@ -20,8 +23,8 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("invariance")
     for ranks in (1, 2, 4):
         jobs = json.dumps([{"out": str(root / name), "per_device_train_batch_size": batch,
-                            "gradient_accumulation_steps": accum}
-                           for name, (world, batch, accum) in SPLITS.items() if world == ranks])
+                            "gradient_accumulation_steps": accum, "fsdp_config": fsdp_config}
+                           for name, (world, batch, accum, fsdp_config) in SPLITS.items() if world == ranks])
         if ranks == 1:
             python(WORKER, jobs)  # a plain single process: no launcher
         else:

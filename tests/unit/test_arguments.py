@@ -14,6 +14,7 @@ from shardtrain import TrainingArguments, TrainingArgumentsError
     ({"learning_rate": -1.0}, ["learning_rate"]),
     ({"max_steps": 0}, ["max_steps"]),
     ({"lr_scheduler_type": "cosine_warm"}, ["lr_scheduler_type", "cosine_warm", "linear"]),
+    ({"optim": "adamw_hf"}, ["optim", "adamw_hf", "adamw_torch_fused", "adamw_torch"]),
     ({"report_to": "wandb"}, ["report_to", "wandb", "tensorboard"]),
     ({"eval_strategy": "sometimes"}, ["eval_strategy", "sometimes"]),
     ({"save_strategy": "best"}, ["save_strategy", "best"]),

@@ -60,3 +60,19 @@ def test_collator_pads_and_placeholder_is_ignored():
     assert batch["labels"].tolist() == [[5, 6, 7], [8, -100, -100], [-100, -100, -100]]
     classes = PaddingCollator()([{"input_ids": [1, 2], "labels": 1}, {"input_ids": [3], "labels": torch.tensor(0)}])
     assert classes["labels"].tolist() == [1, 0]
+
+
+def test_equal_length_tensors_are_stacked_like_the_padding_path():
+    rows = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    tensors = PlaceholderDataset([{"input_ids": r.clone(), "extra": float(i)} for i, r in enumerate(rows)])
+    lists = PlaceholderDataset([{"input_ids": r.tolist(), "extra": float(i)} for i, r in enumerate(rows)])
+    items = [tensors[0], tensors[1], tensors[-1]]
+    fast = PaddingCollator()(items)
+    slow = PaddingCollator()([lists[0], lists[1], lists[-1]])
+    assert fast.keys() == slow.keys() == {"input_ids", "attention_mask", "labels", "extra"}
+    for key in fast:
+        assert torch.equal(fast[key], slow[key]), key
+    fast["labels"][0, 0] = 99  # labels are a copy, not a view of input_ids
+    assert items[0]["input_ids"][0] == 3 and fast["input_ids"][0, 0] == 3
+    mixed = PaddingCollator()([{"input_ids": torch.tensor([1, 2])}, {"input_ids": torch.tensor([3])}])
+    assert mixed["input_ids"].tolist() == [[1, 2], [3, 0]]  # different lengths still pad

@@ -110,6 +110,7 @@ class FSDPConfig:
     state_dict_type: str = "FULL_STATE_DICT"
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
+    output_unit: bool | str = "auto"
     mixed_precision: str | None = None
     sharding_strategy: str | None = None
     replicate_only: bool = False
@@ -190,6 +191,11 @@ class FSDPConfig:
         if not isinstance(value, bool) and not (isinstance(value, int) and value > 1):
             raise FSDPConfigError(f"fsdp_config key 'reshard_after_forward' got {value!r}; expected true, false, or "
                                   f"an int > 1 (reshard to that smaller world size after forward)")
+        if isinstance(self.output_unit, str) and self.output_unit.strip().lower() == "auto":
+            self.output_unit = "auto"
+        else:
+            self._coerce_bool("output_unit")
+            check_type("output_unit", (bool,), "\"auto\", true or false")
         policy = str(self.auto_wrap_policy).upper()
         if policy not in WRAP_POLICIES:
             raise FSDPConfigError(f"fsdp_config key 'auto_wrap_policy' got {self.auto_wrap_policy!r}; allowed "

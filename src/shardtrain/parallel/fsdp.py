@@ -1,7 +1,8 @@
 """Apply FSDP2 to a model from outside: choose units, checkpoint activations, `fully_shard`, root last.
 
 Order (as torchtitan's `parallelize_*`): activation checkpointing on each unit -> `fully_shard` each unit
-(post-order, so nested units come first) -> one non-resharding unit for final norm + lm_head -> root.
+(post-order, so nested units come first) -> one non-resharding unit for final norm + lm_head (when
+`output_unit` asks for it; "auto": when the head is at least as big as a layer) -> root.
 """
 
 from __future__ import annotations
@@ -111,8 +112,15 @@ def _size_based_units(model: nn.Module, min_num_params: int, tied: set[int]) -> 
     return units
 
 
-def _output_unit(model: nn.Module, units: list[nn.Module], tied: set[int]) -> list[nn.Module]:
-    """Final norm + lm_head: used last in forward, first in backward, so one unit that stays gathered."""
+def output_unit(model: nn.Module, units: list[nn.Module], tied: set[int], config: FSDPConfig) -> list[nn.Module]:
+    """Final norm + lm_head: used last in forward, first in backward, so one unit that stays gathered.
+
+    With `output_unit: "auto"` (the default) only when the head has at least as many parameters as the
+    smallest unit: a smaller head saves no memory as its own unit and costs a collective pair per step.
+    Never for tied embeddings (they must stay in the unit of the input embedding) or without transformer wrapping.
+    """
+    if config.auto_wrap_policy != "TRANSFORMER_BASED_WRAP" or config.output_unit is False:
+        return []
     get_out = getattr(model, "get_output_embeddings", None)
     head = get_out() if callable(get_out) else None
     if head is None or _contains_tied(head, tied) or any(head is u for u in units):
@@ -125,7 +133,13 @@ def _output_unit(model: nn.Module, units: list[nn.Module], tied: set[int]) -> li
             if isinstance(norm, nn.Module) and not any(norm is u for u in units) and not _contains_tied(norm, tied):
                 modules.insert(0, norm)
                 break
+    if config.output_unit == "auto" and units and _numel(modules) < min(_numel([u]) for u in units):
+        return []
     return modules
+
+
+def _numel(modules: list[nn.Module]) -> int:
+    return sum(p.numel() for m in modules for p in m.parameters())
 
 
 def _wrap_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -190,7 +204,7 @@ def apply_fsdp(
 
     tied = tied_parameter_ids(model)
     units = find_fsdp_units(model, config)
-    head = _output_unit(model, units, tied) if config.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" else []
+    head = output_unit(model, units, tied, config)
     if config.activation_checkpointing:
         if not units:
             raise FSDPConfigError("fsdp_config 'activation_checkpointing' needs FSDP units to checkpoint, but "

@@ -17,6 +17,7 @@ from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError, parse_fsd
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STRATEGIES = ("no", "steps", "epoch")
 REPORTERS = ("none", "jsonl", "tensorboard")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 
 
 class TrainingArgumentsError(ValueError):
@@ -40,6 +41,7 @@ class TrainingArguments:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
+    optim: str = "adamw_torch_fused"
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
     max_steps: int = -1
@@ -119,6 +121,9 @@ class TrainingArguments:
     def _check_choices(self) -> None:
         if self.lr_scheduler_type not in SCHEDULERS:
             self._fail("lr_scheduler_type", f"got {self.lr_scheduler_type!r}; allowed values: {list(SCHEDULERS)}")
+        if self.optim not in OPTIMIZERS:
+            self._fail("optim", f"got {self.optim!r}; allowed values: {list(OPTIMIZERS)} (torch.optim.AdamW, "
+                                "fused or foreach)")
         for name in ("eval_strategy", "save_strategy"):
             if getattr(self, name) not in STRATEGIES:
                 self._fail(name, f"got {getattr(self, name)!r}; allowed values: {list(STRATEGIES)}")

@@ -113,6 +113,9 @@ class PaddingCollator:
     pad_token_id: int = 0
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        stacked = _stack_equal_length(items)
+        if stacked is not None:
+            return stacked
         longest = max(len(_as_list(item["input_ids"])) for item in items)
         batch: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
         scalar_labels = False
@@ -135,3 +138,30 @@ class PaddingCollator:
         if scalar_labels:
             out["labels"] = out["labels"].view(-1)
         return out
+
+
+_TOKEN_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def _stack_equal_length(items: list[dict[str, Any]]) -> dict[str, torch.Tensor] | None:
+    """The batch when every token field is already a 1-D tensor of one length (nothing to pad); else None."""
+    keys = items[0].keys()
+    length = None
+    for item in items:
+        if item.keys() != keys:
+            return None
+        for key in _TOKEN_KEYS:
+            value = item.get(key)
+            if value is None and key != "input_ids":
+                continue
+            if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.long:
+                return None
+            length = value.shape[0] if length is None else length
+            if value.shape[0] != length:
+                return None
+    out = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in keys}
+    if "attention_mask" not in out:
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+    if "labels" not in out:
+        out["labels"] = out["input_ids"].clone()
+    return out

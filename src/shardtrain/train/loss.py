@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -44,15 +43,12 @@ class LossComputer:
             labels = labels[:, 1:]
         return (labels != IGNORE_INDEX).sum()
 
-    def count_global_items(self, batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
-        """(target tokens, input tokens) over all micro-batches of all ranks, in one all-reduce."""
-        counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        for batch in batches:
-            counts[0] += self.items(batch["labels"])
-            mask = batch.get("attention_mask")
-            counts[1] += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-        dist.all_reduce(counts)
-        return int(counts[0]), int(counts[1])
+    def local_counts(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """(target tokens, input tokens) of this rank's micro-batches, float64 on the device, not reduced."""
+        targets = sum(self.items(batch["labels"]) for batch in batches)
+        inputs = sum(batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+                     for batch in batches)
+        return torch.stack([torch.as_tensor(targets), torch.as_tensor(inputs)]).to(self.device, torch.float64)
 
     def _autocast(self):
         if self.bf16_autocast:

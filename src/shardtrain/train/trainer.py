@@ -34,7 +34,7 @@ from shardtrain.train.data import BatchPlan, PaddingCollator, PlaceholderDataset
 from shardtrain.train.evaluation import EvalLoop, PredictionOutput
 from shardtrain.train.logging import MetricsLogger
 from shardtrain.train.loss import LossComputer
-from shardtrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 
 
@@ -194,21 +194,26 @@ class Trainer:
             of input tokens is added to `state.num_input_tokens_seen`.
         """
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
-        tokens, input_tokens = self.loss.count_global_items(batches)
-        # FSDP averages gradients over data-parallel ranks; scale so that they add up to d(sum / tokens).
-        scale = self.world_size / max(tokens, 1)
+        # The backward pass needs a scale that is the same on every rank and known without communication:
+        # 1 / (global batch in samples). The exact 1 / (global target tokens) is applied afterwards by
+        # `normalize_and_clip_grads`, whose one all-reduce carries the token counts with the gradient norm.
+        global_samples = max(self.state.global_batch_size, 1)
+        fsdp = isinstance(self.model, FSDPModule)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
-            last = index == len(batches) - 1
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(last)  # reduce-scatter once per step, not per micro-step
+            if fsdp and len(batches) > 1:  # reduce-scatter once per step, not per micro-step
+                self.model.set_requires_gradient_sync(index == len(batches) - 1)
             micro_sum = self.loss(batch)
-            (micro_sum * scale).backward()
+            (micro_sum / global_samples).backward()
             loss_sum += micro_sum.detach().float()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
+        # FSDP averages gradients over the data-parallel ranks (all ranks of the default group).
+        divisor = global_samples * (self.world_size if fsdp else 1)
+        grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), self.loss.local_counts(batches),
+                                                     divisor, self.args.max_grad_norm, self.world_size)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        tokens, input_tokens = (int(c) for c in counts.tolist())
         self.state.num_input_tokens_seen += input_tokens
         return loss_sum, tokens, grad_norm
 

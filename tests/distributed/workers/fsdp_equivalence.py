@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from tiny_models import tiny_llama, token_batches
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from shardtrain import apply_fsdp, destroy_distributed, init_distributed
 
@@ -47,7 +48,8 @@ def run_case(out: Path, name: str, config: dict | None) -> None:
     if rank == 0:
         torch.save({k: v.float() for k, v in state.items()}, out / f"{name}.pt")
         result = {"losses": losses, "local_numels": numels, "full_numel": sum(p.numel() for p in model.parameters()),
-                  "tied": model.lm_head.weight is model.model.embed_tokens.weight, "generated": tokens.tolist()}
+                  "tied": model.lm_head.weight is model.model.embed_tokens.weight, "generated": tokens.tolist(),
+                  "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules())}
         (out / f"{name}.json").write_text(json.dumps(result))
 
 
