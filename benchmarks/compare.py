@@ -34,7 +34,7 @@ WORKER = HERE / "worker.py"
 MODES = ("raw", "shardtrain", "hf")
 
 # (timed steps, warm-up steps) per size
-FULL_STEPS = {"tiny": (40, 5), "50m": (6, 2)}
+FULL_STEPS = {"tiny": (40, 5), "50m": (10, 2)}
 QUICK_STEPS = {"tiny": (10, 2), "50m": (3, 1)}
 
 
@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results.json"))
     parser.add_argument("--quick", action="store_true", help="fewer steps, one repeat (~4 min)")
     parser.add_argument("--sizes", default="tiny,50m")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved launches per mode (full: 2, quick: 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved launches per mode (full: 3, quick: 1)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of raw, shardtrain, hf and raw_head (raw + shardtrain's norm/lm_head unit)")
     parser.add_argument("--no-state", action="store_true", help="skip the model-state bytes at N = 1, 2, 4")
@@ -235,7 +235,7 @@ def main() -> None:
     EXTRA_ENV.update(item.split("=", 1) for item in cli.env)
 
     steps_table = QUICK_STEPS if cli.quick else FULL_STEPS
-    repeats = cli.repeats or (1 if cli.quick else 2)
+    repeats = cli.repeats or (1 if cli.quick else 3)
     sizes = [s for s in cli.sizes.split(",") if s]
     modes = [m for m in cli.modes.split(",") if m]
     sys.path.insert(0, str(HERE))

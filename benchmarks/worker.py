@@ -215,8 +215,9 @@ def run_raw(cli: argparse.Namespace, spec: SizeSpec) -> None:
         with stage("backward"):
             loss.backward()
         with stage("clip grad norm"):
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+            # no list of the grads survives this block: it would keep them alive into the next step
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None],
+                                                 norm_type=2.0, foreach=True)
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX_GRAD_NORM, norm, foreach=True)

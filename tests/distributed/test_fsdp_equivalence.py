@@ -78,3 +78,11 @@ def test_fsdp_units(runs, case, units):
     since this head is smaller than a layer."""
     got, _ = _load(runs, "n2", case)
     assert got["fsdp_modules"] == units
+
+
+@pytest.mark.parametrize("case,layer_gathered", [("default", False), ("reshard_false", True)])
+def test_root_stays_gathered_between_forward_and_backward(runs, case, layer_gathered):
+    """The root (embedding) is not freed after forward and all-gathered again for backward; layers follow
+    reshard_after_forward."""
+    got, _ = _load(runs, "n2", case)
+    assert got["gathered_after_forward"] == {"embedding (root)": True, "layer 0": layer_gathered}

@@ -218,7 +218,9 @@ def apply_fsdp(
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **common)
     if head:
         fully_shard(head if len(head) > 1 else head[0], reshard_after_forward=False, **common)
-    fully_shard(model, reshard_after_forward=config.reshard_after_forward, **common)
+    # The root keeps FSDP's default: it is not resharded after forward, since backward needs it at once.
+    # (Passing reshard_after_forward=True here would free and all-gather the embedding again every step.)
+    fully_shard(model, **common)
 
     if dist.get_backend() == "gloo":
         # gloo has no AVG/PREMUL_SUM: reduce with SUM and divide afterwards.

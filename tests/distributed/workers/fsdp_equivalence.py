@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tiny_models import tiny_llama, token_batches
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from shardtrain import apply_fsdp, destroy_distributed, init_distributed
 
@@ -30,9 +31,13 @@ def run_case(out: Path, name: str, config: dict | None) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     per_rank = GLOBAL_BATCH // world
     losses = []
+    gathered_after_forward = None
     for batch in token_batches(STEPS, GLOBAL_BATCH):
         local = batch[rank * per_rank:(rank + 1) * per_rank]
         loss = model(input_ids=local, labels=local).loss
+        if gathered_after_forward is None:  # which parameters are whole (not DTensor shards) between fwd and bwd
+            gathered_after_forward = {"embedding (root)": not isinstance(model.model.embed_tokens.weight, DTensor),
+                                      "layer 0": not isinstance(model.model.layers[0].mlp.up_proj.weight, DTensor)}
         loss.backward()
         optim.step()
         optim.zero_grad()
@@ -49,7 +54,8 @@ def run_case(out: Path, name: str, config: dict | None) -> None:
         torch.save({k: v.float() for k, v in state.items()}, out / f"{name}.pt")
         result = {"losses": losses, "local_numels": numels, "full_numel": sum(p.numel() for p in model.parameters()),
                   "tied": model.lm_head.weight is model.model.embed_tokens.weight, "generated": tokens.tolist(),
-                  "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules())}
+                  "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
+                  "gathered_after_forward": gathered_after_forward}
         (out / f"{name}.json").write_text(json.dumps(result))
 
 
