@@ -74,6 +74,16 @@ def finish(result: dict[str, Any], baseline: MemoryBaseline, out: Path, per_rank
         out.write_text(json.dumps(result, indent=1))
 
 
+def record_grad_bytes_once(optimizer: torch.optim.Optimizer, model: Any, holder: dict[str, Any]) -> None:
+    """Store this rank's gradient bytes in holder["grad_bytes"] at the first optimizer step (the grads exist then)."""
+
+    def measure(opt: Any, *_: Any) -> None:
+        if not holder["grad_bytes"]:
+            holder["grad_bytes"] = grad_bytes(model)
+
+    optimizer.register_step_pre_hook(measure)
+
+
 # -- raw: the smallest loop on fully_shard ------------------------------------------------------------
 def run_raw(cli: argparse.Namespace, spec: SizeSpec) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,13 +168,7 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
 
     class Timing(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
-            optimizer = holder["trainer"].optimizer
-
-            def measure_grads(opt, *_: Any) -> None:
-                if not holder["grad_bytes"]:
-                    holder["grad_bytes"] = grad_bytes(kwargs["model"])
-
-            optimizer.register_step_pre_hook(measure_grads)
+            record_grad_bytes_once(holder["trainer"].optimizer, kwargs["model"], holder)
             timer.mark()
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
@@ -244,15 +248,9 @@ def run_hf(cli: argparse.Namespace, spec: SizeSpec) -> None:
     class Timing(HFCallback):
         def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
             optimizer = kwargs.get("optimizer")
-            inner = getattr(optimizer, "optimizer", optimizer)
-            model = kwargs.get("model")
-
-            def measure_grads(opt, *_: Any) -> None:
-                if not holder["grad_bytes"]:
-                    holder["grad_bytes"] = grad_bytes(model)
-
+            inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate wraps the torch optimizer
             if inner is not None:
-                inner.register_step_pre_hook(measure_grads)
+                record_grad_bytes_once(inner, kwargs.get("model"), holder)
             timer.mark()
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
