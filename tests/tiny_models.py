@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
 def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, vocab: int = 64,
@@ -16,6 +16,14 @@ def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, vocab: int = 6
     if tie:
         model.tie_weights()
     return model
+
+
+def tiny_gpt2(seed: int = 0, dropout: float = 0.1, vocab: int = 64, hidden: int = 32) -> GPT2LMHeadModel:
+    """GPT-2 with dropout on embeddings, attention and residuals, and tied input/output embeddings."""
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=2, n_head=4, n_positions=64,
+                        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation="eager")
+    return GPT2LMHeadModel(config)
 
 
 def token_batches(steps: int, batch: int, seq: int = 12, vocab: int = 64, seed: int = 1) -> list[torch.Tensor]:

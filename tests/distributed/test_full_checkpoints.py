@@ -108,9 +108,9 @@ def test_bad_resumes_fail_clearly(trained, tmp_path):
     assert "model.embed_tokens.weight" in errors["wider_model"] and "shape" in errors["wider_model"]
     assert "model.layers.2" in errors["deeper_model"] and "missing" in errors["deeper_model"]
     assert "FSDP is off" in errors["fsdp_off"] and "fsdp=True" in errors["fsdp_off"]
-    assert "corrupt or truncated" in errors["truncated_shard"]
-    assert "corrupt or truncated" in errors["truncated_safetensors"]
-    assert "trainer_state.json" in errors["not_a_checkpoint"]
+    assert "__0_0.distcp has 100 bytes" in errors["truncated_shard"] and "truncated" in errors["truncated_shard"]
+    assert "model.safetensors has 1000 bytes" in errors["truncated_safetensors"]
+    assert "manifest.json is missing" in errors["not_a_checkpoint"]
 
 
 def test_cpu_ram_efficient_loading_of_real_bert(tmp_path):

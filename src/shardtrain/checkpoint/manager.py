@@ -14,6 +14,7 @@ So a directory named `checkpoint-<step>` is always complete, and rotation runs o
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -39,10 +40,19 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
+from shardtrain.checkpoint.manifest import manifest_problem, write_manifest
+from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.parallel.distributed import barrier
 
+# The checkpoint layout: one source of truth for every module that writes or reads it.
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
+SHARDED_DIR = "sharded"
+OPTIMIZER_DIR = "optimizer"
+STATE_FILE = "trainer_state.json"
+SCHEDULER_FILE = "scheduler.json"
+TIED_FILE = "tied_weights.json"
+RNG_PREFIX = "rng_state_"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -96,9 +106,22 @@ def checkpoint_kind(path: Path) -> str:
 
 def _fault_point(name: str, step: int) -> None:
     """Fault injection for the crash-safety tests: SHARDTRAIN_FAULT="<name>:<rank>:<step>" SIGKILLs that rank
-    when it reaches `name` while saving `step`."""
-    if os.environ.get("SHARDTRAIN_FAULT") == f"{name}:{dist.get_rank()}:{step}":
+    when it reaches `name` while saving `step`, on the first attempt only (not after a torchrun restart)."""
+    if os.environ.get("SHARDTRAIN_FAULT") == f"{name}:{dist.get_rank()}:{step}" and \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _disk_full(error: BaseException | None, directory: Path) -> bool:
+    """Whether a failed write ran out of space (torch.save and DCP lose the errno, so free space is checked)."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    if error is not None and ("No space left" in str(error) or "os error 28" in str(error)):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def _fsync(path: Path) -> None:
@@ -114,6 +137,12 @@ def _fsync_tree(root: Path) -> None:
     """Flush every file under `root`, then the directories, `root` last."""
     for path in [*sorted(root.rglob("*"), reverse=True), root]:
         _fsync(path)
+
+
+class _AgreedFailure(CheckpointError):
+    """A save failure every rank knows about (raised on all ranks at once)."""
+
+    agreed = True
 
 
 class CheckpointManager:
@@ -140,61 +169,126 @@ class CheckpointManager:
         """Write `checkpoint-<step>` atomically and rotate old ones; returns its path.
 
         `state` is the trainer state: anything with `.save(path)` and a `best_model_checkpoint` attribute.
+
+        Raises:
+            CheckpointError: a rank could not write its part (disk full, permissions); every rank raises it,
+                the partial `.tmp-checkpoint-<step>` is removed and the existing checkpoints are untouched.
         """
         final = self.output_dir / f"{PREFIX}{step}"
         tmp = self.output_dir / f"{TMP_PREFIX}{step}"
-        if self.rank == 0:
+
+        def prepare() -> None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-        barrier()
+
+        self._all_ok(prepare if self.rank == 0 else None, tmp, step)
         _fault_point("save_start", step)
+        self._all_ok(lambda: self._write(tmp, state, model_only), tmp, step)
+        _fault_point("before_commit", step)
+        self._all_ok(lambda: self._commit(tmp, final, step, state) if self.rank == 0 else None, tmp, step)
+        return final
+
+    def _write(self, tmp: Path, state: Any, model_only: bool) -> None:
+        """Every rank writes its part of the checkpoint into `tmp` (collective)."""
+        step = state.global_step
         with_optim = self.optimizer is not None and not model_only
         if self.state_dict_type == "SHARDED_STATE_DICT":
             payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
             if with_optim:
                 payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-            dcp.save(payload, checkpoint_id=str(tmp / "sharded"))
+            dcp.save(payload, checkpoint_id=str(tmp / SHARDED_DIR))
         else:
             full = full_model_state(self.model)
-            if self.rank == 0:
-                write_full_checkpoint(full, tmp, None)
+            self._all_ok(lambda: write_full_checkpoint(full, tmp, None) if self.rank == 0 else None, tmp, step)
             del full
             if with_optim:
                 dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
-                         checkpoint_id=str(tmp / "optimizer"))
+                         checkpoint_id=str(tmp / OPTIMIZER_DIR))
         _fault_point("after_model", step)
-        torch.save(rng_state(), tmp / f"rng_state_{self.rank}.pt")
+        torch.save(rng_state(), tmp / f"{RNG_PREFIX}{self.rank}.pt")
         if self.rank == 0:
             config = model_config_dict(self.model)
             if config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-            (tmp / "tied_weights.json").write_text(json.dumps(_tied_aliases(self.model)))
+            (tmp / TIED_FILE).write_text(json.dumps(_tied_aliases(self.model)))
             if self.scheduler is not None and not model_only:
-                (tmp / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
-            state.save(tmp / "trainer_state.json")
-        barrier()
-        _fault_point("before_commit", step)
+                (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
+            state.save(tmp / STATE_FILE)
+
+    def _commit(self, tmp: Path, final: Path, step: int, state: Any) -> None:
+        """Rank 0: manifest, fsync, rename `tmp` to `final`, rotate."""
+        write_manifest(tmp)
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
+            old = self.output_dir / f"{TMP_PREFIX}{step}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync(self.output_dir)
+        _fault_point("before_rotate", step)
+        self._rotate(keep=state.best_model_checkpoint)
+
+    def _all_ok(self, work: Any, tmp: Path, step: int) -> None:
+        """Run `work` (None: nothing on this rank), then agree across ranks that it worked everywhere.
+
+        A rank that fails must not leave its peers waiting in the next collective: the failure is shared
+        through one all-reduce, the partial directory is removed, and every rank raises the same error.
+        """
+        error: BaseException | None = None
+        try:
+            if work is not None:
+                work()
+        except _AgreedFailure:
+            raise  # a nested agreement already failed on every rank
+        except (Exception, CheckpointException) as err:  # noqa: B014 - DCP's error is not always an Exception
+            error = err
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            failed = failed.cuda()
+        dist.all_reduce(failed)
+        if not int(failed.item()):
+            return
         if self.rank == 0:
-            _fsync_tree(tmp)
-            if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
-                old = self.output_dir / f"{TMP_PREFIX}{step}.old"
-                shutil.rmtree(old, ignore_errors=True)
-                final.rename(old)
-                tmp.rename(final)
-                shutil.rmtree(old)
-            else:
-                tmp.rename(final)
-            _fsync(self.output_dir)
-            _fault_point("before_rotate", step)
-            self._rotate(keep=state.best_model_checkpoint)
-        barrier()
-        return final
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(error, self.output_dir):
+            message = (f"no space left on device in {self.output_dir} while saving {PREFIX}{step}; the partial "
+                       f"checkpoint was removed and earlier checkpoints are intact. Free space, or lower "
+                       f"save_total_limit")
+        elif error is not None:
+            message = f"could not save {PREFIX}{step} in {self.output_dir}: {type(error).__name__}: {error}"
+        else:
+            message = f"could not save {PREFIX}{step} in {self.output_dir}: another rank failed (see its error)"
+        raise _AgreedFailure(message) from error
 
     def latest(self) -> Path | None:
-        """Newest complete checkpoint under `output_dir`, or None."""
+        """Newest committed checkpoint under `output_dir` (not verified; see `resumable`), or None."""
         found = self.list_checkpoints(self.output_dir)
         return found[-1] if found else None
+
+    @classmethod
+    def resumable(cls, output_dir: str | Path) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint whose files match its manifest, and one warning per newer damaged one."""
+        warnings = []
+        for path in reversed(cls.list_checkpoints(output_dir)):
+            problem = manifest_problem(path)
+            if problem is None:
+                return path, warnings
+            warnings.append(f"skipping damaged checkpoint {path}: {problem}")
+        return None, warnings
+
+    @staticmethod
+    def read_state(path: str | Path) -> dict[str, Any]:
+        """The trainer state saved in checkpoint `path`, after checking the checkpoint against its manifest."""
+        path = Path(path)
+        problem = manifest_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"cannot load checkpoint {path}: {problem}. Resume from another checkpoint, or "
+                                  f"use resume_from_checkpoint='auto' to take the newest undamaged one")
+        return json.loads((path / STATE_FILE).read_text())
 
     def load(self, path: str | Path, *, weights_only: bool = False) -> dict[str, Any] | None:
         """Restore model (and unless `weights_only`, optimizer, scheduler, RNG) from `path`.
@@ -206,9 +300,7 @@ class CheckpointManager:
             CheckpointError: missing/corrupt files or a checkpoint of another model (names the first bad key).
         """
         path = Path(path)
-        if not (path / "trainer_state.json").is_file():
-            raise CheckpointError(f"{path} is not a complete shardtrain checkpoint (no trainer_state.json); "
-                                  f"use resume_from_checkpoint=True to pick the newest complete one")
+        state = self.read_state(path)
         kind = checkpoint_kind(path)
         self._check_shapes(path, kind)
         load_optim = self.optimizer is not None and not weights_only
@@ -224,12 +316,12 @@ class CheckpointManager:
                                   f"corrupt or truncated; resume from an earlier checkpoint") from err
         if weights_only:
             return None
-        if self.scheduler is not None and (path / "scheduler.json").is_file():
-            self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
-        rng_file = path / f"rng_state_{self.rank}.pt"
+        if self.scheduler is not None and (path / SCHEDULER_FILE).is_file():
+            self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        rng_file = path / f"{RNG_PREFIX}{self.rank}.pt"
         if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
             set_rng_state(torch.load(rng_file, weights_only=True))
-        return json.loads((path / "trainer_state.json").read_text())
+        return state
 
     def close(self) -> None:
         barrier()
@@ -237,12 +329,12 @@ class CheckpointManager:
     # -- internals ------------------------------------------------------------------------------------
     @staticmethod
     def list_checkpoints(output_dir: str | Path) -> list[Path]:
-        """Complete checkpoints, oldest first (temporary directories never match)."""
+        """Committed checkpoints, oldest first (temporary directories never match)."""
         root = Path(output_dir)
         if not root.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-                 and (p / "trainer_state.json").is_file()]
+        # A checkpoint-<step> name exists only after the atomic rename: the directory was complete then.
+        found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
         return [p for _, p in sorted(found)]
 
     def _rotate(self, keep: str | None) -> None:
@@ -262,7 +354,9 @@ class CheckpointManager:
         expected = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         if kind == "SHARDED_STATE_DICT":
             try:
-                meta = dcp.FileSystemReader(str(path / "sharded")).read_metadata().state_dict_metadata
+                meta = read_dcp_metadata(path / "sharded").state_dict_metadata
+            except CheckpointError:  # refused by the restricted unpickler: keep its message
+                raise
             except Exception as err:
                 raise CheckpointError(f"{path / 'sharded'} has no readable metadata ({err}); the checkpoint is "
                                       "corrupt or incomplete") from err
@@ -287,7 +381,7 @@ class CheckpointManager:
         payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
         if load_optim:
             payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.load(payload, checkpoint_id=str(path / "sharded"))
+        dcp_load(payload, path / "sharded")
         set_model_state_dict(self.model, payload["model"])
         if load_optim:
             set_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
@@ -302,7 +396,7 @@ class CheckpointManager:
                 raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "
                                       "a new run's weights but not resume one")
             optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.load(optim, checkpoint_id=str(path / "optimizer"))
+            dcp_load(optim, path / "optimizer")
             set_optimizer_state_dict(self.model, self.optimizer, optim["optimizer"])
 
 

@@ -10,20 +10,22 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, write_full_checkpoint
 from shardtrain.checkpoint.manager import checkpoint_kind
+from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 
 
 def load_sharded_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model state dict stored in a SHARDED_STATE_DICT checkpoint."""
     path = Path(checkpoint_dir) / "sharded"
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path)
+    except CheckpointError:  # refused by the restricted unpickler: keep its message
+        raise
     except Exception as err:
         raise CheckpointError(f"{path} has no readable DCP metadata ({err}); is it a shardtrain sharded "
                               "checkpoint?") from err
@@ -34,7 +36,9 @@ def load_sharded_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     if not model:
         raise CheckpointError(f"{path} holds no model tensors")
     try:
-        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+        dcp_load({"model": model}, path, no_dist=True)
+    except CheckpointError:
+        raise
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"could not read {path}: {err}; the shard files are corrupt or truncated") from err
     return model

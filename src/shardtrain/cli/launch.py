@@ -24,10 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardtrain.config import env as env_names
+from shardtrain.config.env import true_word
 from shardtrain.config.fsdp_config import FSDPConfigError, parse_fsdp_option
 from shardtrain.config.launch_config import (
     DEFAULT_MULTI_NODE_PORT,
@@ -38,11 +41,11 @@ from shardtrain.config.launch_config import (
     map_fsdp_config,
 )
 
-ENV_USE_FSDP = "SHARDTRAIN_USE_FSDP"
-ENV_FSDP_CONFIG = "SHARDTRAIN_FSDP_CONFIG"
-ENV_MIXED_PRECISION = "SHARDTRAIN_MIXED_PRECISION"
-ENV_CP_SIZE = "SHARDTRAIN_CP_SIZE"
-ENV_CPU = "SHARDTRAIN_CPU"
+ENV_USE_FSDP = env_names.USE_FSDP
+ENV_FSDP_CONFIG = env_names.FSDP_CONFIG
+ENV_MIXED_PRECISION = env_names.MIXED_PRECISION
+ENV_CP_SIZE = env_names.CP_SIZE
+ENV_CPU = env_names.CPU
 
 _VALUE_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                 "rdzv_backend", "mixed_precision", "max_restarts")
@@ -214,7 +217,8 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     warnings: list[str] = []
     config, source = load_launch_config(args.config_file)
     if source is None:
-        warnings.append("no config file found (run `shardtrain config`); using defaults: 1 process, FSDP on")
+        warnings.append("no config file found (run `shardtrain config`); settings not given as flags take their "
+                        "defaults (1 process, FSDP on)")
     _apply_flags(config, args, warnings)
     if config.fsdp_config and not config.use_fsdp:
         config.ignored.append(f"fsdp_config (FSDP is off: distributed_type {config.distributed_type})")
@@ -229,7 +233,7 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     unset = []
     if fsdp is not None:
-        env.update({ENV_USE_FSDP: "1", ENV_FSDP_CONFIG: json.dumps(fsdp.to_dict(), sort_keys=True)})
+        env.update({ENV_USE_FSDP: true_word(True), ENV_FSDP_CONFIG: json.dumps(fsdp.to_dict(), sort_keys=True)})
     else:
         unset += [ENV_USE_FSDP, ENV_FSDP_CONFIG]
     if config.use_parallelism_config:
@@ -237,7 +241,7 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     else:
         unset.append(ENV_CP_SIZE)
     if config.use_cpu:
-        env[ENV_CPU] = "1"
+        env[ENV_CPU] = true_word(True)
     if uses_fresh_worker_store(config):
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = torchrun_argv(config, args.script, list(args.script_args))
@@ -245,7 +249,9 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
 
 
 def execute(plan: LaunchPlan) -> int:
-    """Run torchrun's elastic agent in this process; 0 when every worker succeeded, else 1."""
+    """Run torchrun's elastic agent in this process; 0 when every worker succeeded, 1 when one failed,
+    128 + signal number (130 SIGINT, 143 SIGTERM) when the launcher was stopped by a signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
@@ -261,6 +267,13 @@ def execute(plan: LaunchPlan) -> int:
         print(f"error: {torchrun_args.training_script} failed (exit codes by global rank: {codes}); see the "
               f"output above", file=sys.stderr)
         return 1
+    except SignalException as err:  # the agent has already stopped the workers
+        signum = int(err.sigval)
+        print(f"error: stopped by {signal.Signals(signum).name}; the workers were terminated", file=sys.stderr)
+        return 128 + signum
+    except KeyboardInterrupt:
+        print("error: stopped by SIGINT; the workers were terminated", file=sys.stderr)
+        return 130
     except RendezvousError as err:
         print(f"error: rendezvous failed ({type(err).__name__}: {err}); check --main_process_ip/port and "
               f"that every machine was started", file=sys.stderr)

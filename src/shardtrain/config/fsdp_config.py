@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardtrain.errors import UserError
+
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
@@ -39,7 +41,7 @@ _IGNORED_FSDP1_KEYS = frozenset(
 )
 
 
-class FSDPConfigError(ValueError):
+class FSDPConfigError(UserError, ValueError):
     """An `fsdp_config` that cannot be used; the message names the key and the fix."""
 
 

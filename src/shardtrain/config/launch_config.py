@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from shardtrain.config.fsdp_config import MIXED_PRECISIONS, SHARDING_STRATEGIES, FSDPConfig, FSDPConfigError
+from shardtrain.errors import UserError
 
 HOME_ENV = "SHARDTRAIN_HOME"
 CONFIG_NAME = "default_config.yaml"
@@ -71,7 +72,7 @@ _PARALLELISM_IGNORED = frozenset(  # parallelism_config_* sizes other than cp_si
 )
 
 
-class LaunchConfigError(ValueError):
+class LaunchConfigError(UserError, ValueError):
     """A launch config that cannot be used; the message names the key and the fix."""
 
 

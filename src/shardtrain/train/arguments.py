@@ -1,18 +1,23 @@
 """`TrainingArguments`: Hugging Face names and meanings, validated when constructed.
 
 Besides what the user passes, `shardtrain launch` hands settings over through the environment
-(`SHARDTRAIN_USE_FSDP`, `SHARDTRAIN_FSDP_CONFIG`, `SHARDTRAIN_MIXED_PRECISION`, `SHARDTRAIN_CP_SIZE`);
-explicit arguments win over them.
+(`shardtrain.config.env`: FSDP on/off, its config, mixed precision, cp size). An argument the user passed
+wins over the environment, even when its value equals the default (`fsdp=False` stays off under a launcher
+that turns FSDP on): the fields given to the constructor are recorded in `explicit_fields`.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from shardtrain.config import env
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError, parse_fsdp_option
+from shardtrain.errors import UserError, install_error_hook
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STRATEGIES = ("no", "steps", "epoch")
@@ -20,7 +25,7 @@ REPORTERS = ("none", "jsonl", "tensorboard")
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 
 
-class TrainingArgumentsError(ValueError):
+class TrainingArgumentsError(UserError, ValueError):
     """An argument that cannot be used; the message names the field and the fix."""
 
 
@@ -71,9 +76,13 @@ class TrainingArguments:
     sp_size: int = 1
     tp_size: int = 1
     ep_size: int = 1
+    ddp_timeout: int = 1800
+    save_async: bool = False
     fsdp_enabled: bool = field(init=False, default=False)
+    explicit_fields: ClassVar[frozenset[str]] = frozenset()  # set per instance by __init__ (below)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_numbers()
         self._check_choices()
         self._resolve_fsdp()
@@ -86,6 +95,30 @@ class TrainingArguments:
 
     def _fail(self, name: str, message: str) -> None:
         raise TrainingArgumentsError(f"TrainingArguments.{name} {message}")
+
+    def _check_types(self) -> None:
+        """Types first, so later checks compare numbers with numbers (no raw TypeError from a str)."""
+        for name in ("bf16", "fp16", "gradient_checkpointing", "save_only_model", "load_best_model_at_end",
+                     "disable_tqdm", "save_async"):
+            if not isinstance(getattr(self, name), bool):
+                self._fail(name, f"must be True or False, got {getattr(self, name)!r}")
+        for name in ("seed", "ddp_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                self._fail(name, f"must be an int, got {value!r}")
+        if self.ddp_timeout < 1:
+            self._fail("ddp_timeout", f"must be >= 1 (seconds a collective may wait), got {self.ddp_timeout!r}")
+        for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "adam_beta1", "adam_beta2",
+                     "num_train_epochs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                self._fail(name, f"must be a finite number, got {value!r}")
+        resume = self.resume_from_checkpoint
+        if not (resume is None or isinstance(resume, bool | str | os.PathLike)):
+            self._fail("resume_from_checkpoint", f"must be None, True, False, 'auto' or a checkpoint path, got "
+                       f"{resume!r}")
+        if self.metric_for_best_model is not None and not isinstance(self.metric_for_best_model, str):
+            self._fail("metric_for_best_model", f"must be a metric name, got {self.metric_for_best_model!r}")
 
     def _check_numbers(self) -> None:
         if not isinstance(self.output_dir, str | os.PathLike) or not str(self.output_dir):
@@ -139,12 +172,20 @@ class TrainingArguments:
             self._fail("bf16", "and fp16 are both set; choose one mixed precision")
 
     def _resolve_fsdp(self) -> None:
-        env_fsdp = os.environ.get("SHARDTRAIN_USE_FSDP", "0") not in ("", "0", "false", "False")
+        explicit = self.explicit_fields
+        try:
+            env_fsdp = "fsdp" not in explicit and env.env_flag(env.USE_FSDP)
+        except env.EnvError as err:
+            raise TrainingArgumentsError(str(err)) from None
         try:
             enabled, overrides = parse_fsdp_option(self.fsdp)
             source = self.fsdp_config
-            if source is None and os.environ.get("SHARDTRAIN_FSDP_CONFIG"):
-                source = json.loads(os.environ["SHARDTRAIN_FSDP_CONFIG"])
+            if source is None and os.environ.get(env.FSDP_CONFIG):
+                try:
+                    source = json.loads(os.environ[env.FSDP_CONFIG])
+                except json.JSONDecodeError as err:
+                    raise FSDPConfigError(f"environment variable {env.FSDP_CONFIG} is not valid JSON ({err}); "
+                                          "unset it or let `shardtrain launch` set it") from None
             config = FSDPConfig.load(source)
             for key, value in overrides.items():
                 if key == "sharding_strategy":
@@ -152,15 +193,20 @@ class TrainingArguments:
                 else:
                     setattr(config, key, value)
         except FSDPConfigError as err:
-            raise TrainingArgumentsError(f"TrainingArguments.fsdp_config: {err}") from err
+            raise TrainingArgumentsError(f"TrainingArguments.fsdp_config: {err}") from None
         self.fsdp_config = config
         self.fsdp_enabled = enabled or env_fsdp
-        env_mp = os.environ.get("SHARDTRAIN_MIXED_PRECISION")
-        if not (self.bf16 or self.fp16):
+        env_mp = os.environ.get(env.MIXED_PRECISION)
+        if not ({"bf16", "fp16"} & explicit or self.bf16 or self.fp16):
             chosen = config.mixed_precision or env_mp
+            if chosen not in (None, "", "no", "bf16", "fp16"):
+                self._fail("bf16", f"/fp16 come from {env.MIXED_PRECISION}={chosen!r}, which is not no|bf16|fp16")
             self.bf16, self.fp16 = chosen == "bf16", chosen == "fp16"
-        if self.cp_size == 1 and os.environ.get("SHARDTRAIN_CP_SIZE"):
-            self.cp_size = int(os.environ["SHARDTRAIN_CP_SIZE"])
+        if "cp_size" not in explicit and os.environ.get(env.CP_SIZE):
+            raw = os.environ[env.CP_SIZE]
+            if not raw.isdigit() or int(raw) < 1:
+                self._fail("cp_size", f"comes from {env.CP_SIZE}={raw!r}, which is not an int >= 1")
+            self.cp_size = int(raw)
 
     def _check_conflicts(self) -> None:
         config: FSDPConfig = self.fsdp_config  # type: ignore[assignment]
@@ -202,3 +248,18 @@ class TrainingArguments:
     def eval_every(self) -> int:
         """Steps between evaluations under eval_strategy 'steps' (HF: eval_steps, else logging_steps)."""
         return self.eval_steps or self.logging_steps
+
+
+_dataclass_init = TrainingArguments.__init__
+
+
+def _init_recording_explicit(self: TrainingArguments, **kwargs: Any) -> None:
+    install_error_hook()  # a bad argument is one `error:` line, not a traceback
+    # Remember which fields the caller gave before __post_init__ reads the environment.
+    object.__setattr__(self, "explicit_fields", frozenset(kwargs))
+    _dataclass_init(self, **kwargs)
+
+
+_init_recording_explicit.__doc__ = _dataclass_init.__doc__
+_init_recording_explicit.__signature__ = inspect.signature(_dataclass_init)  # type: ignore[attr-defined]
+TrainingArguments.__init__ = _init_recording_explicit  # type: ignore[method-assign]

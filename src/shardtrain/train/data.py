@@ -6,15 +6,25 @@ goes to ranks in contiguous slices. So 1 rank x 8, 2 ranks x 4 and 2 ranks x 2 x
 samples at every step, and a resume (on any world size with the same G) starts at exactly the next step.
 Nothing is dropped: where the last chunk runs short a rank gets a placeholder sample (index < 0) whose labels
 are all ignored, so every rank runs the same number of forward passes.
+
+Randomness in data loading never touches the training RNG: each micro-batch is fetched and collated under
+its own RNG state, seeded from (seed, epoch, step, micro-step, rank), and the global generators are put
+back afterwards. So dropout draws the same numbers whether or not a run was resumed, and a collator or
+dataset that draws random numbers (masking, augmentation) gives the same batch at a step after a resume, in
+the main process or in a DataLoader worker.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
-from collections.abc import Iterator, Sequence
+import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
@@ -47,16 +57,49 @@ class BatchPlan:
         gen = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.num_samples, generator=gen).tolist()
 
-    def micro_batches(self, perm: Sequence[int], step: int) -> list[list[int]]:
-        """This rank's `accumulation_steps` index lists for `step` (placeholders are < 0)."""
+    def micro_batches(self, perm: Sequence[int], step: int, epoch: int = 0) -> list[SeededIndices]:
+        """This rank's `accumulation_steps` index lists for `step` (placeholders are < 0), each with its seed."""
         chunk = perm[step * self.global_batch_size:(step + 1) * self.global_batch_size]
         per_micro = self.per_device_batch_size * self.world_size
         out = []
         for micro in range(self.accumulation_steps):
             start = micro * per_micro + self.rank * self.per_device_batch_size
             indices = list(chunk[start:start + self.per_device_batch_size])
-            out.append(indices or [-1])
+            out.append(SeededIndices(indices or [-1], seed=derive_seed(self.seed, "train", epoch, step, micro,
+                                                                       self.rank)))
         return out
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed that depends on `parts` only (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SeededIndices(list):
+    """The sample indices of one micro-batch, with the seed its loading and collation run under."""
+
+    def __init__(self, indices: Sequence[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+    def __reduce__(self):  # DataLoader workers receive index lists through a pickling queue
+        return SeededIndices, (list(self), self.seed)
+
+
+@contextlib.contextmanager
+def isolated_rng(seed: int) -> Iterator[None]:
+    """Run the body with torch (CPU), Python and NumPy generators seeded from `seed`; restore them after."""
+    torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 class StepBatchSampler(Sampler[list[int]]):
@@ -68,7 +111,7 @@ class StepBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         perm = self.plan.permutation(self.epoch)
         for step in range(self.start_step, self.plan.steps_per_epoch):
-            yield from self.plan.micro_batches(perm, step)
+            yield from self.plan.micro_batches(perm, step, self.epoch)
 
     def __len__(self) -> int:
         return (self.plan.steps_per_epoch - self.start_step) * self.plan.accumulation_steps
@@ -90,6 +133,26 @@ class PlaceholderDataset(Dataset):
         labels = item.get("labels", item["input_ids"])
         item["labels"] = _ignored_like(labels)
         return item
+
+
+class CollatingDataset(PlaceholderDataset):
+    """Fetches and collates a whole micro-batch under the micro-batch's own seed (`isolated_rng`).
+
+    The DataLoader hands `__getitems__` a `SeededIndices`; its collate_fn is `passthrough`.
+    """
+
+    def __init__(self, dataset: Any, collator: Callable) -> None:
+        super().__init__(dataset)
+        self.collator = collator
+
+    def __getitems__(self, indices: SeededIndices) -> Any:
+        with isolated_rng(indices.seed):
+            return self.collator([self[i] for i in indices])
+
+
+def passthrough(batch: Any) -> Any:
+    """collate_fn for `CollatingDataset` (already collated); module-level so workers can pickle it."""
+    return batch
 
 
 def _ignored_like(labels: Any) -> Any:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.parallel.fsdp import reshard_all
-from shardtrain.train.data import IGNORE_INDEX, PlaceholderDataset
+from shardtrain.train.data import IGNORE_INDEX, CollatingDataset, SeededIndices, derive_seed
 from shardtrain.train.loss import LossComputer
 
 
@@ -49,9 +49,10 @@ class EvalLoop:
     every rank runs the same number of forward passes (FSDP's collectives need that)."""
 
     def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, rank: int,
-                 world_size: int, device: torch.device, preprocess: Callable | None) -> None:
+                 world_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.rank, self.world_size, self.device, self.preprocess = rank, world_size, device, preprocess
+        self.seed = seed
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -60,7 +61,7 @@ class EvalLoop:
         mine = list(range(start, min(len(dataset), start + per_rank)))
         steps = max(1, math.ceil(per_rank / self.batch_size))
         mine += [-1] * (steps * self.batch_size - len(mine))
-        data = PlaceholderDataset(dataset)
+        data = CollatingDataset(dataset, self.collator)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
@@ -69,7 +70,9 @@ class EvalLoop:
         with torch.no_grad():
             for step in range(steps):
                 indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
-                batch = {k: v.to(self.device) for k, v in self.collator([data[i] for i in indices]).items()}
+                # collated under its own seed: a collator that draws random numbers leaves dropout's RNG alone
+                seeded = SeededIndices(indices, derive_seed(self.seed, "eval", step, self.rank))
+                batch = {k: v.to(self.device) for k, v in data.__getitems__(seeded).items()}
                 loss_sum, logits = self.loss.forward(batch)
                 totals[0] += loss_sum.double()
                 totals[1] += self.loss.items(batch["labels"]).double()

@@ -76,6 +76,22 @@ class MetricsLogger:
         else:
             print(line, flush=True)
 
+    def truncate_after(self, step: int) -> None:
+        """Drop metrics.jsonl lines of steps after `step`: a resumed run logs those steps again."""
+        path = Path(self.args.output_dir) / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:
+                continue  # a line cut short by a crash
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(path)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,35 @@ from torch.utils.data import DataLoader
 
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import write_full_checkpoint
-from shardtrain.checkpoint.manager import CheckpointManager, full_model_state, model_config_dict
+from shardtrain.checkpoint.manager import PREFIX, CheckpointManager, full_model_state, model_config_dict
+from shardtrain.errors import install_error_hook
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.loading import load_pretrained
-from shardtrain.train.arguments import TrainingArguments
-from shardtrain.train.data import BatchPlan, PaddingCollator, PlaceholderDataset, StepBatchSampler
+from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
+from shardtrain.train.data import (
+    BatchPlan,
+    CollatingDataset,
+    PaddingCollator,
+    StepBatchSampler,
+    derive_seed,
+    passthrough,
+)
 from shardtrain.train.evaluation import EvalLoop, PredictionOutput
 from shardtrain.train.logging import MetricsLogger
 from shardtrain.train.loss import LossComputer
 from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
+from shardtrain.train.validation import (
+    DataError,
+    ModelLimits,
+    OutputDirError,
+    agree,
+    validate_dataset,
+    writable_problem,
+)
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker; > 0 after a restart
 
 
 def set_seed(seed: int) -> None:
@@ -63,15 +82,19 @@ class Trainer:
                  eval_dataset: Any = None, data_collator: Callable | None = None,
                  compute_metrics: Callable | None = None, callbacks: list[TrainerCallback] | None = None,
                  preprocess_logits_for_metrics: Callable | None = None) -> None:
+        install_error_hook()
         self.args = args
-        init_distributed()
+        init_distributed(timeout_s=args.ddp_timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
+        agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
         self.model = self._prepare_model(model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
         self.data_collator = data_collator or PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0)
+        self._default_collator = data_collator is None
+        self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.callbacks = list(callbacks or [])
@@ -98,8 +121,9 @@ class Trainer:
             return model
         model.to(self.device)
         if self.world_size > 1:
-            raise ValueError("Trainer runs on several ranks but fsdp is off; set TrainingArguments(fsdp=True) "
-                             "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
+            raise TrainingArgumentsError(
+                f"Trainer runs on {self.world_size} ranks but fsdp is off; set TrainingArguments(fsdp=True) "
+                "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
         return model
 
     def create_optimizer_and_scheduler(self, total_steps: int) -> None:
@@ -120,33 +144,75 @@ class Trainer:
                          rank=self.rank, seed=args.seed)
 
     def _loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
-        sampler = StepBatchSampler(plan, epoch, start_step)
-        return DataLoader(PlaceholderDataset(self.train_dataset), batch_sampler=sampler, collate_fn=self.data_collator,
-                          num_workers=self.args.dataloader_num_workers)
+        # Its own generator: creating the iterator must not draw from the global RNG that dropout uses, or a
+        # resumed run (which creates one more iterator) would drop out different units.
+        generator = torch.Generator().manual_seed(derive_seed(self.args.seed, "loader", epoch, self.rank))
+        return DataLoader(CollatingDataset(self.train_dataset, self.data_collator),
+                          batch_sampler=StepBatchSampler(plan, epoch, start_step), collate_fn=passthrough,
+                          num_workers=self.args.dataloader_num_workers, generator=generator)
 
     def _resolve_resume(self, resume: str | bool | None) -> Path | None:
+        """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
+
+        None under a torchrun restart (`TORCHELASTIC_RESTART_COUNT` > 0) means "auto", so `--max_restarts`
+        continues from the newest checkpoint without any logic in the script. Rank 0 chooses (skipping
+        damaged checkpoints with a warning) and every rank loads the same one.
+        """
+        if resume is None and int(os.environ.get(RESTART_COUNT_ENV, "0") or 0) > 0:
+            resume = "auto"
         if resume in (None, False):
             return None
-        if resume is True:
-            latest = CheckpointManager.list_checkpoints(self.args.output_dir)
-            if not latest:
-                raise CheckpointError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete "
-                                      "checkpoint-<step>; train without resuming or pass a path")
-            return latest[-1]
+        if resume is True or resume == "auto":
+            chosen, warnings = CheckpointManager.resumable(self.args.output_dir) if self.rank == 0 else (None, [])
+            step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64)
+            dist.broadcast(step.to(self.device), src=0)
+            for line in warnings:
+                if self.rank == 0:
+                    print(f"warning: {line}", flush=True)
+            if int(step.item()) >= 0:
+                path = Path(self.args.output_dir) / f"{PREFIX}{int(step.item())}"
+                if self.rank == 0:
+                    print(f"Resuming from {path}", flush=True)
+                return path
+            if resume == "auto":
+                return None
+            raise CheckpointError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete, "
+                                  "undamaged checkpoint-<step>; use resume_from_checkpoint='auto' to start fresh "
+                                  "when there is none, or pass a path")
         path = Path(resume)
         if not path.is_dir():
-            raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory")
+            raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory; pass a "
+                                  f"checkpoint-<step> directory, True, or 'auto'")
         if not self.args.fsdp_enabled and ((path / "sharded").is_dir() or (path / "optimizer").is_dir()):
             raise CheckpointError(f"{path} is an FSDP checkpoint but FSDP is off; resume with "
                                   "TrainingArguments(fsdp=True) (and the same fsdp_config)")
         return path
 
+    def _validate_inputs(self) -> None:
+        """Everything that can be checked before the first step (collective: every rank raises together)."""
+        args = self.args
+        if self.train_dataset is None:
+            raise DataError("Trainer.train() needs a train_dataset; pass Trainer(..., train_dataset=...)")
+        if args.eval_strategy != "no" and self.eval_dataset is None:
+            raise DataError(f"TrainingArguments.eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass "
+                            "Trainer(..., eval_dataset=...) or set eval_strategy='no'")
+        if args.load_best_model_at_end and self.eval_dataset is None:
+            raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
+                            "checkpoint; pass Trainer(..., eval_dataset=...)")
+        limits = ModelLimits.of(self.model, self.loss.shift_labels)
+        validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
+                         check_samples=self._default_collator, need_targets=True, device=self.device)
+        self._validated.add(id(self.train_dataset))
+        if self.eval_dataset is not None and args.eval_strategy != "no":
+            validate_dataset(self.eval_dataset, name="eval_dataset", limits=limits,
+                             check_samples=self._default_collator, need_targets=False, device=self.device)
+            self._validated.add(id(self.eval_dataset))
+
     # -- training -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
         """Run the training loop; returns the final `TrainerState` (with `log_history`)."""
         args = self.args
-        if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset")
+        self._validate_inputs()
         resume = self._resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                       else args.resume_from_checkpoint)
         plan = self._plan()
@@ -155,22 +221,39 @@ class Trainer:
         self.state = TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
                                   global_batch_size=plan.global_batch_size)
         if resume is not None:
-            self.state = TrainerState.from_dict(self._checkpoints().load(resume))
-            if self.state.global_batch_size != plan.global_batch_size:
+            saved = CheckpointManager.read_state(resume)
+            if saved.get("global_batch_size") != plan.global_batch_size:
                 raise CheckpointError(
-                    f"{resume} was trained with a global batch of {self.state.global_batch_size} samples, this run "
-                    f"has {plan.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps x "
-                    f"ranks equal to resume exactly")
+                    f"{resume} was trained with a global batch of {saved.get('global_batch_size')} samples, this "
+                    f"run has {plan.global_batch_size}; keep per_device_train_batch_size x "
+                    f"gradient_accumulation_steps x ranks equal to resume exactly")
+            self.state = TrainerState.from_dict(self._checkpoints().load(resume))
             self.state.max_steps = max_steps
+            if self.rank == 0:
+                self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
         self.model.train()
         self._callback("on_train_begin")
         self.logger.start(self.state.global_step, max_steps, self.state.num_input_tokens_seen)
+        try:
+            self._train_loop(plan, max_steps)
+        except KeyboardInterrupt:
+            if self.rank == 0:
+                print(f"error: interrupted at step {self.state.global_step}; resume with "
+                      f"resume_from_checkpoint='auto'", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+        self.logger.close()
+        if args.load_best_model_at_end and self.state.best_model_checkpoint:
+            self._checkpoints().load(self.state.best_model_checkpoint, weights_only=True)
+        self._callback("on_train_end")
+        return self.state
+
+    def _train_loop(self, plan: BatchPlan, max_steps: int) -> None:
         window: list[tuple[torch.Tensor, int]] = []
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             epoch, start = divmod(self.state.global_step, plan.steps_per_epoch)
             micro_batches = iter(self._loader(plan, epoch, start))
             for _ in range(start, plan.steps_per_epoch):
-                batches = [next(micro_batches) for _ in range(args.gradient_accumulation_steps)]
+                batches = [next(micro_batches) for _ in range(self.args.gradient_accumulation_steps)]
                 loss_sum, tokens, grad_norm = self.training_step(batches)
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch
@@ -180,11 +263,6 @@ class Trainer:
                 self._callback("on_step_end")
                 if self.state.global_step >= max_steps or self.control.should_training_stop:
                     break
-        self.logger.close()
-        if args.load_best_model_at_end and self.state.best_model_checkpoint:
-            self._checkpoints().load(self.state.best_model_checkpoint, weights_only=True)
-        self._callback("on_train_end")
-        return self.state
 
     def training_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int, torch.Tensor]:
         """Forward/backward over the micro-batches of one optimizer step, then clip and step.
@@ -210,10 +288,14 @@ class Trainer:
         divisor = global_samples * (self.world_size if fsdp else 1)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), self.loss.local_counts(batches),
                                                      divisor, self.args.max_grad_norm, self.world_size)
+        tokens, input_tokens = (int(c) for c in counts.tolist())
+        if tokens == 0:  # every rank knows the global count: all raise together, before a useless update
+            raise DataError(f"the global batch of step {self.state.global_step + 1} has no target token (every "
+                            "label is -100); make sure each batch has labels to learn from (longer samples, or "
+                            "a larger batch)")
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens, input_tokens = (int(c) for c in counts.tolist())
         self.state.num_input_tokens_seen += input_tokens
         return loss_sum, tokens, grad_norm
 
@@ -277,16 +359,31 @@ class Trainer:
                 with_predictions: bool = True) -> PredictionOutput:
         """Run the model over `test_dataset` on all ranks; predictions and labels come back on every rank."""
         if test_dataset is None:
-            raise ValueError("evaluate()/predict() needs a dataset (pass eval_dataset to Trainer)")
+            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
+        if id(test_dataset) not in self._validated:
+            validate_dataset(test_dataset, name=f"{metric_key_prefix}_dataset",
+                             limits=ModelLimits.of(self.model, self.loss.shift_labels),
+                             check_samples=self._default_collator, need_targets=False, device=self.device)
+            self._validated.add(id(test_dataset))
         loop = EvalLoop(self.model, self.loss, self.data_collator, self.args.per_device_eval_batch_size,
-                        self.rank, self.world_size, self.device, self.preprocess_logits_for_metrics)
+                        self.rank, self.world_size, self.device, self.preprocess_logits_for_metrics,
+                        seed=self.args.seed)
         return loop.run(test_dataset, metric_key_prefix, self.compute_metrics, with_predictions)
 
     def save_model(self, output_dir: str | None = None) -> Path:
-        """Write the full model (config.json + safetensors) that `from_pretrained` loads; every rank calls it."""
+        """Write the full model (config.json + safetensors) that `from_pretrained` loads; every rank calls it.
+
+        The directory is checked before the model is gathered, and a failed write (disk full, permissions)
+        raises the same `OutputDirError` on every rank.
+        """
         out = Path(output_dir or self.args.output_dir)
+        agree(writable_problem(out, "save_model directory") if self.rank == 0 else None, OutputDirError)
         state = full_model_state(self.model)
+        problem = None
         if self.rank == 0:
-            write_full_checkpoint(state, out, model_config_dict(self.model))
-        dist.barrier()
+            try:
+                write_full_checkpoint(state, out, model_config_dict(self.model))
+            except OSError as err:
+                problem = f"could not write the model to {out}: {err}; free space or choose another directory"
+        agree(problem, OutputDirError)
         return out

@@ -3,9 +3,10 @@
 torchrun --nproc_per_node 2 train_run.py '[{"out": "OUT_DIR", "per_device_train_batch_size": 4, "max_steps": 10}]'
 Jobs run one after the other in this process group (each with a fresh model and Trainer: a resume job reads
 everything from disk), which saves a process start per job. Keys besides TrainingArguments fields: "out",
-"model" (llama | llama_tied | bert), "dataset_size", "resume" (passed to train()), "stop_after" (a callback
-stops the run after that step), "save_model" (dir), "probe" (the final model's logits on a fixed batch go to
-OUT/probe.pt). Rank 0 writes OUT/result.json.
+"model" (llama | llama_tied | bert | gpt2: GPT-2 with dropout 0.1 and tied embeddings), "dataset_size",
+"resume" (passed to train()), "stop_after" (a callback stops the run after that step), "save_model" (dir),
+"probe" (the final model's logits on a fixed batch go to OUT/probe.pt), "random_collator" (a collator that
+masks 20 % of the input tokens at random). Rank 0 writes OUT/result.json.
 """
 
 import json
@@ -13,9 +14,10 @@ import sys
 from pathlib import Path
 
 import torch
-from tiny_models import tiny_llama, variable_length_dataset
+from tiny_models import tiny_gpt2, tiny_llama, variable_length_dataset
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
+from shardtrain.train.data import PaddingCollator
 
 
 class StopAfter(TrainerCallback):
@@ -40,7 +42,19 @@ def build(name: str):
             ids = torch.randint(1000, 2000, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen)
             data.append({"input_ids": [101, *ids.tolist(), 102], "labels": i % 2})
         return model, data
+    if name == "gpt2":
+        return tiny_gpt2(dropout=0.1), None
     return tiny_llama(tie=name == "llama_tied"), None
+
+
+class RandomMaskCollator(PaddingCollator):
+    """Replaces 20 % of the input tokens with id 1, drawn from the global torch RNG (like MLM collators)."""
+
+    def __call__(self, items):
+        batch = super().__call__(items)
+        mask = torch.rand(batch["input_ids"].shape) < 0.2
+        batch["input_ids"] = batch["input_ids"].masked_fill(mask, 1)
+        return batch
 
 
 def run_job(knobs: dict) -> None:
@@ -49,11 +63,13 @@ def run_job(knobs: dict) -> None:
     data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96))
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
+    collator = RandomMaskCollator() if knobs.pop("random_collator", False) else None
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
                 "save_strategy": "no", "warmup_steps": 2, "disable_tqdm": True, "max_grad_norm": 1.0}
     args = TrainingArguments(output_dir=str(out), **{**defaults, **knobs})
     callbacks = [StopAfter(stop_after)] if stop_after else []
-    trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks)
+    trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
+                      data_collator=collator)
     state = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate()
     if save_model:

@@ -1,0 +1,49 @@
+"""The environment variables `shardtrain launch` hands to the ranks, and how their values are read.
+
+One source of truth for the launcher (which writes them) and `TrainingArguments` / the process-group
+set-up (which read them). A true/false variable accepts only the words below; anything else is an error
+naming the variable, so `SHARDTRAIN_CPU=False` means "not CPU", not "set, hence CPU".
+"""
+
+from __future__ import annotations
+
+import os
+
+from shardtrain.errors import UserError
+
+USE_FSDP = "SHARDTRAIN_USE_FSDP"  # true: FSDP on
+FSDP_CONFIG = "SHARDTRAIN_FSDP_CONFIG"  # JSON of the validated FSDPConfig.to_dict()
+MIXED_PRECISION = "SHARDTRAIN_MIXED_PRECISION"  # no | bf16 | fp16
+CP_SIZE = "SHARDTRAIN_CP_SIZE"  # context-parallel size
+CPU = "SHARDTRAIN_CPU"  # true: CPU + gloo even when GPUs are visible
+FAULT = "SHARDTRAIN_FAULT"  # tests only: "<point>:<rank>:<step>" SIGKILLs that rank there
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+class EnvError(UserError, ValueError):
+    """An environment variable with a value shardtrain cannot read."""
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The true/false value of environment variable `name` (`default` when unset).
+
+    Raises:
+        EnvError: the value is not one of TRUE_WORDS / FALSE_WORDS (case-insensitive).
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    word = raw.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise EnvError(f"environment variable {name}={raw!r} is not a true/false word; use one of "
+                   f"{list(TRUE_WORDS)} or {list(FALSE_WORDS[1:])}, or unset it")
+
+
+def true_word(value: bool) -> str:
+    """How the launcher writes a true/false variable."""
+    return "1" if value else "0"

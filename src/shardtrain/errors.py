@@ -1,0 +1,66 @@
+"""User-facing errors: one line that names the problem and the fix, printed once per job.
+
+Every error class a user can cause (a bad argument, config, dataset, checkpoint or environment variable)
+derives from `UserError`. `install_error_hook` replaces Python's traceback for those errors with
+`error: <message>`; in a multi-rank job only rank 0 prints it when every rank raised the same error
+(`agreed`, the default for configuration and data checks, which every rank runs on the same input).
+Other exceptions keep the normal traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from types import TracebackType
+
+_SILENT_RANK_EXIT_DELAY_S = 5.0
+
+
+class UserError(Exception):
+    """Base of errors caused by the user's input; `agreed`: every rank raises the same one."""
+
+    agreed = True
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def report(error: BaseException) -> None:
+    """Print `error` as one `error: ...` line on stderr (only on rank 0 when every rank has it)."""
+    rank = _rank()
+    agreed = getattr(error, "agreed", True)
+    if rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    elif not agreed:
+        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    else:
+        # A silent rank that exits first makes torchrun stop rank 0 before it has printed the message; give
+        # rank 0 a moment (torchrun ends this wait as soon as rank 0 has exited).
+        time.sleep(_SILENT_RANK_EXIT_DELAY_S)
+
+
+_previous_hook = None
+
+
+def _hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+    if isinstance(error, UserError):
+        report(error)
+    else:
+        (_previous_hook or sys.__excepthook__)(kind, error, tb)
+
+
+def install_error_hook() -> None:
+    """Make uncaught `UserError`s print one line instead of a traceback (idempotent; others untouched)."""
+    global _previous_hook
+    if sys.excepthook is not _hook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _hook
