@@ -60,3 +60,26 @@ def test_launch_environment_is_picked_up(tmp_path, monkeypatch):
     assert args.fsdp_config.reshard_after_forward is False
     explicit = TrainingArguments(output_dir=str(tmp_path), fsdp_config={"cpu_offload": True})
     assert explicit.fsdp_config.cpu_offload and explicit.fsdp_config.transformer_layer_cls_to_wrap == []
+
+
+def test_an_argument_the_user_passed_beats_the_environment_even_at_its_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDTRAIN_USE_FSDP", "1")
+    monkeypatch.setenv("SHARDTRAIN_MIXED_PRECISION", "bf16")
+    implicit = TrainingArguments(output_dir=str(tmp_path))
+    assert implicit.fsdp_enabled and implicit.bf16
+    explicit = TrainingArguments(output_dir=str(tmp_path), fsdp=False, bf16=False)
+    assert not explicit.fsdp_enabled and not explicit.bf16 and explicit.mixed_precision == "no"
+    assert {"fsdp", "bf16"} <= explicit.explicit_fields
+
+
+@pytest.mark.parametrize("word,enabled", [("1", True), ("true", True), ("YES", True), ("on", True),
+                                          ("0", False), ("False", False), ("no", False), ("off", False), ("", False)])
+def test_environment_true_false_words(tmp_path, monkeypatch, word, enabled):
+    monkeypatch.setenv("SHARDTRAIN_USE_FSDP", word)
+    assert TrainingArguments(output_dir=str(tmp_path)).fsdp_enabled is enabled
+
+
+def test_ddp_timeout_and_save_async_are_checked(tmp_path):
+    assert TrainingArguments(output_dir=str(tmp_path)).ddp_timeout == 1800  # Hugging Face's default
+    with pytest.raises(TrainingArgumentsError, match="save_async"):
+        TrainingArguments(output_dir=str(tmp_path), save_async="yes")
