@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from transformers import HfArgumentParser
 
 from shardtrain import TrainingArguments, TrainingArgumentsError
 
@@ -14,10 +15,14 @@ from shardtrain import TrainingArguments, TrainingArgumentsError
     ({"learning_rate": -1.0}, ["learning_rate"]),
     ({"max_steps": 0}, ["max_steps"]),
     ({"lr_scheduler_type": "cosine_warm"}, ["lr_scheduler_type", "cosine_warm", "linear"]),
-    ({"optim": "adamw_hf"}, ["optim", "adamw_hf", "adamw_torch_fused", "adamw_torch"]),
+    ({"optim": "adafactor"}, ["optim", "adafactor", "adamw_torch_fused", "adamw_torch"]),
     ({"report_to": "wandb"}, ["report_to", "wandb", "tensorboard"]),
+    ({"save_strategy": "best"}, ["save_strategy", "best", "eval_strategy"]),
+    ({"deepspeed": "ds.json"}, ["deepspeed", "FSDP2"]),
+    ({"push_to_hub": True}, ["push_to_hub", "huggingface_hub"]),
+    ({"logging_steps": 2.5}, ["logging_steps", "2.5"]),
+    ({"lr_scheduler_kwargs": "{bad"}, ["lr_scheduler_kwargs", "JSON"]),
     ({"eval_strategy": "sometimes"}, ["eval_strategy", "sometimes"]),
-    ({"save_strategy": "best"}, ["save_strategy", "best"]),
     ({"warmup_steps": -3}, ["warmup_steps"]),
     ({"bf16": True, "fp16": True}, ["bf16", "fp16"]),
     ({"save_total_limit": 0}, ["save_total_limit"]),
@@ -41,7 +46,7 @@ def test_bad_arguments_name_the_field(tmp_path, kwargs, fragments):
 
 def test_defaults_and_fsdp_resolution(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path))
-    assert not args.fsdp_enabled and args.mixed_precision == "no" and args.report_to == ["jsonl"]
+    assert not args.fsdp_enabled and args.mixed_precision == "no" and args.report_to == []
     args = TrainingArguments(output_dir=str(tmp_path), fsdp="shard_grad_op offload", bf16=True)
     assert args.fsdp_enabled and args.fsdp_config.reshard_after_forward is False and args.fsdp_config.cpu_offload
     assert args.mixed_precision == "bf16"
@@ -69,7 +74,13 @@ def test_an_argument_the_user_passed_beats_the_environment_even_at_its_default(t
     assert implicit.fsdp_enabled and implicit.bf16
     explicit = TrainingArguments(output_dir=str(tmp_path), fsdp=False, bf16=False)
     assert not explicit.fsdp_enabled and not explicit.bf16 and explicit.mixed_precision == "no"
-    assert {"fsdp", "bf16"} <= explicit.explicit_fields
+    # the same from a command line: an absent flag leaves the launcher's setting, a given one wins
+    parser = HfArgumentParser(TrainingArguments)
+    (absent,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    (given,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--fsdp", "false", "--bf16",
+                                                   "false"])
+    assert absent.fsdp_enabled and absent.bf16
+    assert not given.fsdp_enabled and not given.bf16
 
 
 @pytest.mark.parametrize("word,enabled", [("1", True), ("true", True), ("YES", True), ("on", True),

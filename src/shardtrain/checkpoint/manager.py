@@ -10,6 +10,9 @@ Layout of `output_dir/checkpoint-<step>/`:
 Crash safety: everything is written under `.tmp-checkpoint-<step>`; when every rank has finished, rank 0
 fsyncs the files and renames the directory (atomic on one filesystem; multi-node runs need a shared one).
 So a directory named `checkpoint-<step>` is always complete, and rotation runs only after the new one exists.
+
+`save_async` writes the same files with the same commit, the large part in the background (see
+`shardtrain.checkpoint.async_save` for how, and what stays synchronous).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import random
 import re
 import shutil
 import signal
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +42,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from shardtrain.checkpoint.async_save import (
+    AlreadyStaged,
+    InFlightSave,
+    ReusableStager,
+    background_job,
+    checkpoint_group,
+    gather_full,
+    gatherable,
+    private_copy,
+)
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
 from shardtrain.checkpoint.manifest import manifest_problem, write_manifest
@@ -163,6 +179,12 @@ class CheckpointManager:
         self.state_dict_type = state_dict_type
         self.save_total_limit = save_total_limit
         self.rank = dist.get_rank()
+        # save_async only: created at the first async save, kept for the life of the manager
+        self._group: dist.ProcessGroup | None = None  # DCP's collectives
+        self._gather_group: dist.ProcessGroup | None = None  # FULL_STATE_DICT's model gather
+        self._stager: ReusableStager | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._in_flight: InFlightSave | None = None
 
     # -- public API -----------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, model_only: bool = False) -> Path:
@@ -186,7 +208,8 @@ class CheckpointManager:
         _fault_point("save_start", step)
         self._all_ok(lambda: self._write(tmp, state, model_only), tmp, step)
         _fault_point("before_commit", step)
-        self._all_ok(lambda: self._commit(tmp, final, step, state) if self.rank == 0 else None, tmp, step)
+        self._all_ok(lambda: self._commit(tmp, final, step, state.best_model_checkpoint) if self.rank == 0 else None,
+                     tmp, step)
         return final
 
     def _write(self, tmp: Path, state: Any, model_only: bool) -> None:
@@ -206,6 +229,10 @@ class CheckpointManager:
                 dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
                          checkpoint_id=str(tmp / OPTIMIZER_DIR))
         _fault_point("after_model", step)
+        self._write_small_files(tmp, state, model_only)
+
+    def _write_small_files(self, tmp: Path, state: Any, model_only: bool) -> None:
+        """RNG state of every rank; on rank 0 config, tied names, scheduler and trainer state."""
         torch.save(rng_state(), tmp / f"{RNG_PREFIX}{self.rank}.pt")
         if self.rank == 0:
             config = model_config_dict(self.model)
@@ -216,7 +243,106 @@ class CheckpointManager:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / STATE_FILE)
 
-    def _commit(self, tmp: Path, final: Path, step: int, state: Any) -> None:
+    # -- asynchronous save (see shardtrain.checkpoint.async_save) --------------------------------------
+    def save_async(self, step: int, state: Any, *, model_only: bool = False) -> Path:
+        """Start writing `checkpoint-<step>`; returns the path it will have once committed.
+
+        Waits for the previous async save first (and raises its error, on every rank). Returns once the
+        state is staged in CPU memory and the small files are written; the DCP files, `model.safetensors`
+        (FULL_STATE_DICT) and the commit (manifest, fsync, rename, rotate) follow in the background. Call
+        `wait()` before relying on the checkpoint (the Trainer does at the next save and at the end of train).
+
+        Raises:
+            CheckpointError: the previous save, or this one's synchronous part, failed on some rank; every
+                rank raises it and the partial `.tmp-checkpoint-<step>` is removed.
+        """
+        self.wait()
+        if self._group is None:  # collective: every rank saves at the same step
+            self._group, self._gather_group = checkpoint_group(), checkpoint_group()
+        if self._worker is None:
+            self._stager = ReusableStager()
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-checkpoint")
+        final = self.output_dir / f"{PREFIX}{step}"
+        tmp = self.output_dir / f"{TMP_PREFIX}{step}"
+
+        def prepare() -> None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+
+        self._all_ok(prepare if self.rank == 0 else None, tmp, step)
+        _fault_point("save_start", step)
+        staged: dict[str, Any] = {}
+        self._all_ok(lambda: staged.update(self._stage(tmp, state, model_only)), tmp, step)
+        _fault_point("after_model", step)
+        # Every rank staged and wrote its small files: from here on nothing can fail before the background part.
+        upload = None
+        if staged["dcp"]:
+            upload = dcp.async_save(staged["dcp"], checkpoint_id=str(tmp / staged["dcp_dir"]),
+                                    process_group=self._group, async_checkpointer_type=AsyncCheckpointerType.THREAD,
+                                    async_stager=AlreadyStaged())
+        write_model = None
+        if staged["full"] is not None or staged["shards"] is not None:
+            write_model = partial(self._write_full_model, tmp, staged["full"], staged["shards"])
+        keep = state.best_model_checkpoint
+
+        def commit() -> None:
+            _fault_point("before_commit", step)
+            if self.rank == 0:
+                self._commit(tmp, final, step, keep)
+
+        future = self._worker.submit(background_job, write_model, upload, commit)
+        self._in_flight = InFlightSave(step, tmp, final, future)
+        return final
+
+    def _stage(self, tmp: Path, state: Any, model_only: bool) -> dict[str, Any]:
+        """The synchronous part of an async save on this rank: stage the state, write the small files.
+
+        Returns the staged DCP payload and its directory, and for FULL_STATE_DICT either the staged model
+        shards (`shards`, gathered in the background) or the model already gathered on rank 0 (`full`,
+        when the sharding is not plain FSDP, e.g. HSDP: gathered here, through the training group).
+        """
+        with_optim = self.optimizer is not None and not model_only
+        payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        full = None
+        if self.state_dict_type != "SHARDED_STATE_DICT" and not gatherable(payload["model"]):
+            gathered = full_model_state(self.model)  # collective; rank 0 gets the model, the others {}
+            full = private_copy(gathered, self.model) if self.rank == 0 else {}
+            del gathered, payload["model"]
+        if with_optim:
+            payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        staged = self._stager.stage(payload)
+        self._write_small_files(tmp, state, model_only)
+        if self.state_dict_type == "SHARDED_STATE_DICT":
+            return {"dcp": staged, "dcp_dir": SHARDED_DIR, "full": None, "shards": None}
+        dcp_payload = {"optimizer": staged["optimizer"]} if with_optim else {}
+        return {"dcp": dcp_payload, "dcp_dir": OPTIMIZER_DIR, "full": full, "shards": staged.get("model")}
+
+    def _write_full_model(self, tmp: Path, full: dict[str, torch.Tensor] | None,
+                          shards: dict[str, Any] | None) -> None:
+        """Background, FULL_STATE_DICT: gather the staged shards on rank 0 (collective over the gather group)
+        unless that was done already, then rank 0 writes model.safetensors."""
+        if full is None:
+            full = gather_full(shards, self._gather_group)
+            for alias in _tied_aliases(self.model):
+                full.pop(alias, None)
+        if self.rank == 0:
+            write_full_checkpoint(full, tmp, None)
+
+    def wait(self) -> Path | None:
+        """Wait for the async save in flight (collective); returns its committed path, or None if none was.
+
+        Raises:
+            CheckpointError: its background part failed on some rank; raised on every rank, and the partial
+                `.tmp-checkpoint-<step>` is removed (earlier checkpoints are untouched).
+        """
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        self._all_ok(pending.future.result, pending.tmp, pending.step)
+        return pending.final
+
+    def _commit(self, tmp: Path, final: Path, step: int, keep: str | None) -> None:
         """Rank 0: manifest, fsync, rename `tmp` to `final`, rotate."""
         write_manifest(tmp)
         _fsync_tree(tmp)
@@ -230,7 +356,7 @@ class CheckpointManager:
             tmp.rename(final)
         _fsync(self.output_dir)
         _fault_point("before_rotate", step)
-        self._rotate(keep=state.best_model_checkpoint)
+        self._rotate(keep=keep)
 
     def _all_ok(self, work: Any, tmp: Path, step: int) -> None:
         """Run `work` (None: nothing on this rank), then agree across ranks that it worked everywhere.
@@ -324,6 +450,12 @@ class CheckpointManager:
         return state
 
     def close(self) -> None:
+        """Wait for an async save in flight (raising its error), release its buffers and thread; then a barrier."""
+        self.wait()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._stager.close()
+            self._worker = self._stager = None
         barrier()
 
     # -- internals ------------------------------------------------------------------------------------

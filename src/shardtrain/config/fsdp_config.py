@@ -75,6 +75,8 @@ def parse_fsdp_option(fsdp: bool | str | list[str] | None) -> tuple[bool, dict[s
         return True, {}
     words = fsdp.split() if isinstance(fsdp, str) else list(fsdp)
     words = [w.strip().lower() for w in words]
+    if words and all(w in ("false", "0", "no", "off") for w in words):  # "--fsdp false" on a command line
+        return False, {}
     # "full shard" (two words, as `accelerate launch --fsdp="full shard"`) means full_shard.
     joined = "_".join(words)
     if joined in SHARDING_STRATEGIES:

@@ -1,28 +1,55 @@
-"""`TrainingArguments`: Hugging Face names and meanings, validated when constructed.
+"""`TrainingArguments`: Hugging Face's fields, names and meanings, validated when constructed.
 
-Besides what the user passes, `shardtrain launch` hands settings over through the environment
-(`shardtrain.config.env`: FSDP on/off, its config, mixed precision, cp size). An argument the user passed
-wins over the environment, even when its value equals the default (`fsdp=False` stays off under a launcher
-that turns FSDP on): the fields given to the constructor are recorded in `explicit_fields`.
+    parser = HfArgumentParser((ModelArguments, DataArguments, shardtrain.TrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses()
+
+Design: the class mirrors `transformers.TrainingArguments` instead of subclassing it. Its fields are the ones
+shardtrain implements (declared below, with Hugging Face's annotations and defaults, so `HfArgumentParser`
+parses the same command lines) plus every other field of the installed transformers, added with Hugging
+Face's own type, default and help (`hf_compat.mirrored_fields`): a field is never unknown. Subclassing would
+run Hugging Face's `__post_init__`, which sets up devices and a process group through Accelerate (plain DDP
+on CPU) and needs Accelerate installed; mirroring keeps the surface without that machinery. A mirrored field
+set away from its default either has no effect (one warning names them) or is refused (`hf_compat.REFUSED`).
+
+The launcher's settings (`shardtrain.config.env`: FSDP on/off and its config, mixed precision, cp size) apply
+to the fields left unset (None): an argument the user passed wins, even `fsdp=False` or `bf16=False`.
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
+import dataclasses
 import json
 import math
 import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from shardtrain.config import env
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError, parse_fsdp_option
 from shardtrain.errors import UserError, install_error_hook
+from shardtrain.train import hf_compat
 
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 STRATEGIES = ("no", "steps", "epoch")
-REPORTERS = ("none", "jsonl", "tensorboard")
+REPORTERS = ("tensorboard",)  # metrics.jsonl is always written
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+
+
+class _Unset:
+    """Default of a field that the launcher's environment may set: distinguishable from an explicit False."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNSET: Any = _Unset()
 
 
 class TrainingArgumentsError(UserError, ValueError):
@@ -30,14 +57,13 @@ class TrainingArgumentsError(UserError, ValueError):
 
 
 @dataclass(kw_only=True)
-class TrainingArguments:
-    """Training settings (names as in `transformers.TrainingArguments` where the meaning is the same).
+class _ImplementedArguments:
+    """The fields shardtrain implements (Hugging Face's meaning) and its own additions (see OURS)."""
 
-    After construction `fsdp_config` is an `FSDPConfig`, `fsdp_enabled` says whether FSDP2 is applied,
-    and `mixed_precision` is "no", "bf16" or "fp16".
-    """
-
-    output_dir: str
+    output_dir: str | None = None
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -48,60 +74,170 @@ class TrainingArguments:
     adam_epsilon: float = 1e-8
     optim: str = "adamw_torch_fused"
     lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
+    lr_scheduler_kwargs: dict | str | None = None
+    warmup_steps: float = 0
     max_steps: int = -1
     num_train_epochs: float = 3.0
     max_grad_norm: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
+    bf16: bool = UNSET  # unset: the launcher's mixed precision, else False
+    fp16: bool = UNSET
     seed: int = 42
-    logging_steps: int = 10
+    data_seed: int | None = None
+    logging_strategy: str = "steps"
+    logging_steps: float = 500
+    logging_first_step: bool = False
     eval_strategy: str = "no"
-    eval_steps: int | None = None
+    eval_steps: float | None = None
+    eval_on_start: bool = False
+    prediction_loss_only: bool = False
     save_strategy: str = "steps"
-    save_steps: int = 500
+    save_steps: float = 500
     save_total_limit: int | None = None
     save_only_model: bool = False
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
-    resume_from_checkpoint: str | bool | None = None
-    gradient_checkpointing: bool = False
-    fsdp: bool | str | list[str] = False
-    fsdp_config: FSDPConfig | dict[str, Any] | str | None = None
-    report_to: str | list[str] = "jsonl"
+    resume_from_checkpoint: str | None = None
+    gradient_checkpointing: bool | None = None
+    gradient_checkpointing_kwargs: dict | str | None = None
+    activation_checkpointing: bool | None = None
+    fsdp: str | None = None
+    fsdp_config: dict | str | None = None
+    report_to: None | str | list[str] = "none"
     dataloader_num_workers: int = 0
-    disable_tqdm: bool = False
-    cp_size: int = 1
+    dataloader_pin_memory: bool = True
+    dataloader_prefetch_factor: int | None = None
+    remove_unused_columns: bool = True
+    disable_tqdm: bool | None = None
+    use_cpu: bool = False
+    ddp_timeout: int = 1800
+    # shardtrain's own
+    cp_size: int | None = None
     sp_size: int = 1
     tp_size: int = 1
     ep_size: int = 1
-    ddp_timeout: int = 1800
     save_async: bool = False
     fsdp_enabled: bool = field(init=False, default=False)
-    explicit_fields: ClassVar[frozenset[str]] = frozenset()  # set per instance by __init__ (below)
 
     def __post_init__(self) -> None:
+        install_error_hook()  # a bad argument is one `error:` line, not a traceback
         self._check_types()
         self._check_numbers()
         self._check_choices()
         self._resolve_fsdp()
         self._check_conflicts()
+        self._check_mirrored()
 
+    # -- what the Trainer reads -------------------------------------------------------------------------
     @property
     def mixed_precision(self) -> str:
         """"bf16", "fp16" or "no"."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
 
+    def interval(self, name: str, max_steps: int) -> int:
+        """`logging_steps` / `save_steps` / `eval_steps` in steps: a value below 1 is a ratio of `max_steps`."""
+        value = getattr(self, name)
+        if name == "eval_steps" and value is None:  # Hugging Face: evaluate every logging_steps
+            value = self.logging_steps
+        return max(1, math.ceil(value * max_steps)) if value < 1 else int(value)
+
+    def warmup_for(self, max_steps: int) -> int:
+        """Warmup steps: `warmup_steps` when >= 1, else that ratio of `max_steps` (as transformers 5)."""
+        return int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(self.warmup_steps * max_steps)
+
+    # -- what Hugging Face scripts read ------------------------------------------------------------------
+    @property
+    def process_index(self) -> int:
+        return int(os.environ.get("RANK", "0") or 0)
+
+    @property
+    def local_process_index(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+    @property
+    def should_log(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def device(self) -> Any:
+        from shardtrain.parallel.distributed import current_device
+
+        return current_device()
+
+    @property
+    def n_gpu(self) -> int:
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def parallel_mode(self) -> Any:
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_DISTRIBUTED
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    def get_process_log_level(self) -> int:
+        """Hugging Face's log level for this process: INFO on rank 0, WARNING elsewhere (numeric)."""
+        return 20 if self.should_log else 30
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
+        """Rank 0 runs the body first (e.g. dataset preprocessing with a cache), then the others."""
+        import torch.distributed as dist
+
+        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = self.local_process_index if local else self.process_index
+        if active and rank != 0:
+            dist.barrier()
+        try:
+            yield
+        finally:
+            if active and rank == 0:
+                dist.barrier()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field (enums as values, the FSDP config as its dict)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, FSDPConfig):
+                value = value.to_dict()
+            out[f.name] = getattr(value, "value", value)
+        return out
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
+
+    # -- validation --------------------------------------------------------------------------------------
     def _fail(self, name: str, message: str) -> None:
         raise TrainingArgumentsError(f"TrainingArguments.{name} {message}")
 
     def _check_types(self) -> None:
         """Types first, so later checks compare numbers with numbers (no raw TypeError from a str)."""
-        for name in ("bf16", "fp16", "gradient_checkpointing", "save_only_model", "load_best_model_at_end",
-                     "disable_tqdm", "save_async"):
+        for name in ("save_only_model", "load_best_model_at_end", "save_async", "do_train", "do_eval", "do_predict",
+                     "logging_first_step", "eval_on_start", "prediction_loss_only", "remove_unused_columns",
+                     "use_cpu", "dataloader_pin_memory"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, f"must be True or False, got {getattr(self, name)!r}")
+        for name in ("bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "disable_tqdm"):
+            if getattr(self, name) not in (None, UNSET) and not isinstance(getattr(self, name), bool):
+                self._fail(name, f"must be True or False, got {getattr(self, name)!r}")
+        self.gradient_checkpointing = bool(self.gradient_checkpointing)
+        self.disable_tqdm = bool(self.disable_tqdm)
         for name in ("seed", "ddp_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -109,7 +245,7 @@ class TrainingArguments:
         if self.ddp_timeout < 1:
             self._fail("ddp_timeout", f"must be >= 1 (seconds a collective may wait), got {self.ddp_timeout!r}")
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "adam_beta1", "adam_beta2",
-                     "num_train_epochs"):
+                     "num_train_epochs", "warmup_steps", "logging_steps", "save_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 self._fail(name, f"must be a finite number, got {value!r}")
@@ -117,64 +253,97 @@ class TrainingArguments:
         if not (resume is None or isinstance(resume, bool | str | os.PathLike)):
             self._fail("resume_from_checkpoint", f"must be None, True, False, 'auto' or a checkpoint path, got "
                        f"{resume!r}")
+        if isinstance(resume, str) and resume.lower() in ("true", "false"):  # from a command line
+            self.resume_from_checkpoint = resume.lower() == "true"
         if self.metric_for_best_model is not None and not isinstance(self.metric_for_best_model, str):
             self._fail("metric_for_best_model", f"must be a metric name, got {self.metric_for_best_model!r}")
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as err:
+                    self._fail(name, f"is not valid JSON ({err}); pass a JSON object such as '{{\"min_lr\": 1e-6}}'")
+            if value is not None and not isinstance(value, dict):
+                self._fail(name, f"must be a dict (or a JSON object string), got {value!r}")
+            setattr(self, name, value or {})
 
     def _check_numbers(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"  # Hugging Face's default
         if not isinstance(self.output_dir, str | os.PathLike) or not str(self.output_dir):
             self._fail("output_dir", f"must be a directory path, got {self.output_dir!r}")
         self.output_dir = str(self.output_dir)
+        if self.cp_size is None:
+            self.cp_size = 1 if not os.environ.get(env.CP_SIZE) else self._cp_from_env()
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "save_steps", "cp_size", "sp_size", "tp_size", "ep_size"):
+                     "cp_size", "sp_size", "tp_size", "ep_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 self._fail(name, f"must be a positive int, got {value!r}")
-        for name in ("warmup_steps", "dataloader_num_workers"):
+        for name in ("logging_steps", "save_steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                self._fail(name, f"must be an int >= 0, got {value!r}")
+            if value <= 0 or (value > 1 and value != int(value)):
+                self._fail(name, f"must be a positive int (or a ratio of max_steps in (0, 1)), got {value!r}")
+        steps = self.eval_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int | float) or steps <= 0
+                                  or not math.isfinite(steps)):
+            self._fail("eval_steps", f"must be None or a positive number, got {steps!r}")
+        if self.warmup_steps < 0:
+            self._fail("warmup_steps", f"must be >= 0 (a ratio of max_steps when below 1), got {self.warmup_steps!r}")
+        if isinstance(self.dataloader_num_workers, bool) or not isinstance(self.dataloader_num_workers, int) \
+                or self.dataloader_num_workers < 0:
+            self._fail("dataloader_num_workers", f"must be an int >= 0, got {self.dataloader_num_workers!r}")
         if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps == 0 \
                 or self.max_steps < -1:
             self._fail("max_steps", f"must be a positive int (or -1 to use num_train_epochs), got {self.max_steps!r}")
         if self.max_steps == -1 and not self.num_train_epochs > 0:
             self._fail("num_train_epochs", f"must be > 0 when max_steps is -1, got {self.num_train_epochs!r}")
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                self._fail(name, f"must be a number >= 0, got {value!r}")
+            if getattr(self, name) < 0:
+                self._fail(name, f"must be a number >= 0, got {getattr(self, name)!r}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 self._fail(name, f"must be in [0, 1), got {getattr(self, name)!r}")
         if self.save_total_limit is not None and (not isinstance(self.save_total_limit, int)
                                                    or self.save_total_limit < 1):
             self._fail("save_total_limit", f"must be None or an int >= 1, got {self.save_total_limit!r}")
-        if self.eval_steps is not None and (not isinstance(self.eval_steps, int) or self.eval_steps < 1):
-            self._fail("eval_steps", f"must be None or a positive int, got {self.eval_steps!r}")
+
+    def _cp_from_env(self) -> int:
+        raw = os.environ[env.CP_SIZE]
+        if not raw.isdigit() or int(raw) < 1:
+            self._fail("cp_size", f"comes from {env.CP_SIZE}={raw!r}, which is not an int >= 1")
+        return int(raw)
 
     def _check_choices(self) -> None:
+        self.lr_scheduler_type = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+        self.optim = getattr(self.optim, "value", self.optim)
         if self.lr_scheduler_type not in SCHEDULERS:
             self._fail("lr_scheduler_type", f"got {self.lr_scheduler_type!r}; allowed values: {list(SCHEDULERS)}")
         if self.optim not in OPTIMIZERS:
             self._fail("optim", f"got {self.optim!r}; allowed values: {list(OPTIMIZERS)} (torch.optim.AdamW, "
                                 "fused or foreach)")
-        for name in ("eval_strategy", "save_strategy"):
-            if getattr(self, name) not in STRATEGIES:
-                self._fail(name, f"got {getattr(self, name)!r}; allowed values: {list(STRATEGIES)}")
-        reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        reporters = ["none" if r in ("none", None) else r for r in reporters]
+        for name, allowed in (("eval_strategy", STRATEGIES), ("logging_strategy", STRATEGIES),
+                              ("save_strategy", (*STRATEGIES, "best"))):
+            setattr(self, name, getattr(getattr(self, name), "value", getattr(self, name)))
+            if getattr(self, name) not in allowed:
+                self._fail(name, f"got {getattr(self, name)!r}; allowed values: {list(allowed)}")
+        reporters = [self.report_to] if isinstance(self.report_to, str) or self.report_to is None else \
+            list(self.report_to)
+        reporters = [r for r in reporters if r not in ("none", None, "jsonl")]
         if reporters == ["all"]:
-            reporters = ["jsonl", "tensorboard"]
+            reporters = ["tensorboard"]
         unknown = [r for r in reporters if r not in REPORTERS]
         if unknown:
-            self._fail("report_to", f"got unknown {unknown}; allowed values: {list(REPORTERS)} (or 'all')")
-        self.report_to = [r for r in reporters if r != "none"]
+            self._fail("report_to", f"got {unknown}, which shardtrain cannot report to; allowed values: "
+                       f"{list(REPORTERS)}, 'all' or 'none' (metrics.jsonl in output_dir is always written)")
+        self.report_to = reporters
         if self.bf16 and self.fp16:
             self._fail("bf16", "and fp16 are both set; choose one mixed precision")
 
     def _resolve_fsdp(self) -> None:
-        explicit = self.explicit_fields
         try:
-            env_fsdp = "fsdp" not in explicit and env.env_flag(env.USE_FSDP)
+            env_fsdp = self.fsdp is None and env.env_flag(env.USE_FSDP)
         except env.EnvError as err:
             raise TrainingArgumentsError(str(err)) from None
         try:
@@ -194,19 +363,16 @@ class TrainingArguments:
                     setattr(config, key, value)
         except FSDPConfigError as err:
             raise TrainingArgumentsError(f"TrainingArguments.fsdp_config: {err}") from None
+        if self.activation_checkpointing:
+            config.activation_checkpointing = True
         self.fsdp_config = config
         self.fsdp_enabled = enabled or env_fsdp
-        env_mp = os.environ.get(env.MIXED_PRECISION)
-        if not ({"bf16", "fp16"} & explicit or self.bf16 or self.fp16):
-            chosen = config.mixed_precision or env_mp
+        if self.bf16 is UNSET and self.fp16 is UNSET:
+            chosen = config.mixed_precision or os.environ.get(env.MIXED_PRECISION)
             if chosen not in (None, "", "no", "bf16", "fp16"):
                 self._fail("bf16", f"/fp16 come from {env.MIXED_PRECISION}={chosen!r}, which is not no|bf16|fp16")
             self.bf16, self.fp16 = chosen == "bf16", chosen == "fp16"
-        if "cp_size" not in explicit and os.environ.get(env.CP_SIZE):
-            raw = os.environ[env.CP_SIZE]
-            if not raw.isdigit() or int(raw) < 1:
-                self._fail("cp_size", f"comes from {env.CP_SIZE}={raw!r}, which is not an int >= 1")
-            self.cp_size = int(raw)
+        self.bf16, self.fp16 = bool(self.bf16), bool(self.fp16)
 
     def _check_conflicts(self) -> None:
         config: FSDPConfig = self.fsdp_config  # type: ignore[assignment]
@@ -229,37 +395,59 @@ class TrainingArguments:
         if self.load_best_model_at_end:
             if self.eval_strategy == "no":
                 self._fail("load_best_model_at_end", "needs eval_strategy 'steps' or 'epoch'")
-            if self.save_strategy != self.eval_strategy:
+            if self.save_strategy not in (self.eval_strategy, "best"):
                 self._fail("load_best_model_at_end", f"needs save_strategy ({self.save_strategy!r}) to equal "
-                           f"eval_strategy ({self.eval_strategy!r})")
-            if self.eval_strategy == "steps" and self.save_steps % (self.eval_steps or self.logging_steps):
+                           f"eval_strategy ({self.eval_strategy!r}) or to be 'best'")
+            every = self.eval_steps or self.logging_steps
+            if self.save_strategy == "steps" and self.save_steps >= 1 and every >= 1 and self.save_steps % every:
                 self._fail("save_steps", "must be a multiple of eval_steps when load_best_model_at_end is set")
-        if self.metric_for_best_model is None and self.load_best_model_at_end:
+        if self.save_strategy == "best" and self.eval_strategy == "no":
+            self._fail("save_strategy", "'best' needs an evaluation: set eval_strategy 'steps' or 'epoch'")
+        if self.metric_for_best_model is None and (self.load_best_model_at_end or self.save_strategy == "best"):
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
-        if self.config_xla_without_fsdp():
+        if bool(config.xla) and not self.fsdp_enabled:
             self._fail("fsdp_config", "sets 'xla' but fsdp is off; set fsdp=True")
 
-    def config_xla_without_fsdp(self) -> bool:
-        return bool(self.fsdp_config.xla) and not self.fsdp_enabled  # type: ignore[union-attr]
-
-    @property
-    def eval_every(self) -> int:
-        """Steps between evaluations under eval_strategy 'steps' (HF: eval_steps, else logging_steps)."""
-        return self.eval_steps or self.logging_steps
-
-
-_dataclass_init = TrainingArguments.__init__
+    def _check_mirrored(self) -> None:
+        notes, refused = hf_compat.check_mirrored(self, IMPLEMENTED)
+        if refused:
+            raise TrainingArgumentsError(refused)
+        if notes and self.process_index == 0:
+            for note in notes:
+                warnings.warn(note, stacklevel=4)
 
 
-def _init_recording_explicit(self: TrainingArguments, **kwargs: Any) -> None:
-    install_error_hook()  # a bad argument is one `error:` line, not a traceback
-    # Remember which fields the caller gave before __post_init__ reads the environment.
-    object.__setattr__(self, "explicit_fields", frozenset(kwargs))
-    _dataclass_init(self, **kwargs)
+IMPLEMENTED = {f.name for f in dataclasses.fields(_ImplementedArguments) if f.init}
+OURS = {"cp_size", "sp_size", "tp_size", "ep_size", "save_async"}
+NOTES = {
+    "cp_size": "context-parallel size (refused above 1 until context parallelism lands)",
+    "sp_size": "Ulysses sequence-parallel size (refused above 1)",
+    "tp_size": "tensor-parallel size (refused above 1 until tensor parallelism lands)",
+    "ep_size": "expert-parallel size (refused above 1 until expert parallelism lands)",
+    "save_async": "write checkpoints in the background (DCP async save)",
+    "report_to": "'tensorboard', 'all' or 'none'; metrics.jsonl is always written",
+    "optim": "'adamw_torch_fused' or 'adamw_torch'",
+    "lr_scheduler_type": "transformers' schedulers, except reduce_lr_on_plateau and greedy",
+    "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
+    "bf16": "unset: the launcher's mixed precision",
+    "save_strategy": "'no', 'steps', 'epoch', 'best'",
+    "use_cpu": "CPU and gloo even when a GPU is visible",
+    "activation_checkpointing": "same as fsdp_config activation_checkpointing",
+}
+
+TrainingArguments = dataclasses.make_dataclass(
+    "TrainingArguments", hf_compat.mirrored_fields(IMPLEMENTED), bases=(_ImplementedArguments,), kw_only=True,
+    namespace={"__doc__": """Training settings: every field of `transformers.TrainingArguments`, and a few of ours.
+
+    After construction `fsdp_config` is an `FSDPConfig`, `fsdp_enabled` says whether FSDP2 is applied,
+    `bf16`/`fp16` are booleans and `report_to` a list. See the module docstring and README's compatibility
+    table for what each Hugging Face field does here.
+    """, "__module__": __name__},
+)
 
 
-_init_recording_explicit.__doc__ = _dataclass_init.__doc__
-_init_recording_explicit.__signature__ = inspect.signature(_dataclass_init)  # type: ignore[attr-defined]
-TrainingArguments.__init__ = _init_recording_explicit  # type: ignore[method-assign]
+def compatibility_markdown() -> str:
+    """The README's table: every Hugging Face TrainingArguments field and ours, with what each does here."""
+    return hf_compat.compatibility_table(hf_compat.compatibility_rows(IMPLEMENTED - OURS, OURS, NOTES))

@@ -120,6 +120,8 @@ class StepBatchSampler(Sampler[list[int]]):
 class PlaceholderDataset(Dataset):
     """The user's dataset, plus index < 0 meaning "sample 0 with every label ignored"."""
 
+    labels_from_input_ids = True
+
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
 
@@ -130,8 +132,11 @@ class PlaceholderDataset(Dataset):
         if index >= 0:
             return self.dataset[index]
         item = dict(self.dataset[0])
-        labels = item.get("labels", item["input_ids"])
-        item["labels"] = _ignored_like(labels)
+        labels = _labels_of(item)
+        for key in LABEL_KEYS:
+            item.pop(key, None)
+        if labels is not None or self.labels_from_input_ids:  # a dataset without labels gets none here either
+            item["labels"] = _ignored_like(item["input_ids"] if labels is None else labels)
         return item
 
 
@@ -144,6 +149,7 @@ class CollatingDataset(PlaceholderDataset):
     def __init__(self, dataset: Any, collator: Callable) -> None:
         super().__init__(dataset)
         self.collator = collator
+        self.labels_from_input_ids = getattr(getattr(collator, "collator", collator), "labels_from_input_ids", True)
 
     def __getitems__(self, indices: SeededIndices) -> Any:
         with isolated_rng(indices.seed):
@@ -167,48 +173,75 @@ def _as_list(value: Any) -> list:
     return value.tolist() if isinstance(value, torch.Tensor) else list(value)
 
 
+LABEL_KEYS = ("labels", "label", "label_ids")  # Hugging Face's names; the model receives "labels"
+
+
+def _labels_of(item: dict[str, Any]) -> Any:
+    for key in LABEL_KEYS:
+        if key in item:
+            return item[key]
+    return None
+
+
 @dataclass
 class PaddingCollator:
-    """Pads `input_ids` (with `pad_token_id`), `labels` (with -100) and `attention_mask` (with 0) to the
-    longest sample; `labels` default to `input_ids` (padding ignored). Scalar labels stay a 1-D tensor;
-    other keys are stacked as tensors."""
+    """Pads every per-token field to the longest sample: `input_ids` with `pad_token_id`, `labels` with -100,
+    other token fields (`attention_mask`, `token_type_ids`, ...) with 0. `label` / `label_ids` become `labels`;
+    without any, `labels` are the `input_ids` (padding ignored). Scalar labels stay a 1-D tensor; other
+    fields are stacked as tensors."""
 
     pad_token_id: int = 0
+    labels_from_input_ids: bool = True  # causal LMs: no labels means "predict every next token"
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        stacked = _stack_equal_length(items)
+        stacked = _stack_equal_length(items, self.labels_from_input_ids)
         if stacked is not None:
             return stacked
-        longest = max(len(_as_list(item["input_ids"])) for item in items)
-        batch: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
-        scalar_labels = False
-        for item in items:
-            ids = _as_list(item["input_ids"])
-            pad = longest - len(ids)
-            mask = _as_list(item["attention_mask"]) if "attention_mask" in item else [1] * len(ids)
-            labels = item.get("labels", ids)
-            batch["input_ids"].append(ids + [self.pad_token_id] * pad)
-            batch["attention_mask"].append(mask + [0] * pad)
-            if isinstance(labels, int) or (isinstance(labels, torch.Tensor) and labels.dim() == 0):
-                scalar_labels = True
-                batch["labels"].append(int(labels))
-            else:
-                batch["labels"].append(_as_list(labels) + [IGNORE_INDEX] * pad)
-        out = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+        lengths = [len(_as_list(item["input_ids"])) for item in items]
+        longest = max(lengths)
+        token_keys = [k for k in items[0] if k not in (*LABEL_KEYS, "input_ids") and _is_token_field(items, k, lengths)]
+        out: dict[str, torch.Tensor] = {}
+        out["input_ids"] = torch.tensor([_as_list(i["input_ids"]) + [self.pad_token_id] * (longest - n)
+                                         for i, n in zip(items, lengths, strict=True)], dtype=torch.long)
+        for key in token_keys:
+            out[key] = torch.tensor([_as_list(i[key]) + [0] * (longest - n)
+                                     for i, n in zip(items, lengths, strict=True)])
+        if "attention_mask" not in out:
+            out["attention_mask"] = torch.tensor([[1] * n + [0] * (longest - n) for n in lengths], dtype=torch.long)
+        labels = [_labels_of(item) for item in items]
+        if all(v is None for v in labels) and not self.labels_from_input_ids:
+            pass
+        elif all(isinstance(v, int | float) or (isinstance(v, torch.Tensor) and v.dim() == 0) for v in labels):
+            out["labels"] = torch.tensor([v.item() if isinstance(v, torch.Tensor) else v for v in labels])
+        else:
+            rows = [_as_list(i["input_ids"]) if v is None else _as_list(v) for i, v in zip(items, labels, strict=True)]
+            out["labels"] = torch.tensor([row + [IGNORE_INDEX] * (longest - len(row)) for row in rows],
+                                         dtype=torch.long)
         for key in items[0]:
-            if key not in out:
+            if key not in out and key not in LABEL_KEYS:
                 out[key] = torch.stack([torch.as_tensor(item[key]) for item in items])
-        if scalar_labels:
-            out["labels"] = out["labels"].view(-1)
         return out
+
+
+def _is_token_field(items: list[dict[str, Any]], key: str, lengths: list[int]) -> bool:
+    """Whether `key` holds one value per token (a sequence as long as `input_ids`) in every item."""
+    for item, length in zip(items, lengths, strict=True):
+        value = item[key]
+        if isinstance(value, str) or not hasattr(value, "__len__") or len(value) != length:
+            return False
+        if isinstance(value, torch.Tensor) and value.dim() != 1:
+            return False
+    return True
 
 
 _TOKEN_KEYS = ("input_ids", "attention_mask", "labels")
 
 
-def _stack_equal_length(items: list[dict[str, Any]]) -> dict[str, torch.Tensor] | None:
-    """The batch when every token field is already a 1-D tensor of one length (nothing to pad); else None."""
+def _stack_equal_length(items: list[dict[str, Any]], labels_from_input_ids: bool) -> dict[str, torch.Tensor] | None:
+    """The batch when every field is already a 1-D long tensor of one length (nothing to pad); else None."""
     keys = items[0].keys()
+    if any(k in keys for k in LABEL_KEYS[1:]):
+        return None
     length = None
     for item in items:
         if item.keys() != keys:
@@ -225,6 +258,30 @@ def _stack_equal_length(items: list[dict[str, Any]]) -> dict[str, torch.Tensor] 
     out = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in keys}
     if "attention_mask" not in out:
         out["attention_mask"] = torch.ones_like(out["input_ids"])
-    if "labels" not in out:
+    if "labels" not in out and labels_from_input_ids:
         out["labels"] = out["input_ids"].clone()
     return out
+
+
+@dataclass
+class ColumnFilter:
+    """Hugging Face's `remove_unused_columns`: drop the fields the model's forward does not take (label names
+    are kept and renamed by the collator), then collate."""
+
+    collator: Any
+    keep: frozenset[str]
+
+    def __call__(self, items: list[dict[str, Any]]) -> Any:
+        return self.collator([{k: v for k, v in item.items() if k in self.keep} if isinstance(item, dict) else item
+                              for item in items])
+
+
+def forward_columns(model: torch.nn.Module) -> frozenset[str] | None:
+    """The names `model.forward` accepts, plus the label names (what `remove_unused_columns` keeps); None when
+    forward takes `**kwargs` (every column may be used)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params) | frozenset(LABEL_KEYS)

@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import EvalPrediction
+from transformers.trainer_utils import PredictionOutput
 
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data import IGNORE_INDEX, CollatingDataset, SeededIndices, derive_seed
 from shardtrain.train.loss import LossComputer
-
-
-@dataclass
-class EvalPrediction:
-    """What `compute_metrics` receives (as in Hugging Face): arrays padded with -100."""
-
-    predictions: np.ndarray
-    label_ids: np.ndarray
-
-
-@dataclass
-class PredictionOutput:
-    predictions: np.ndarray | None
-    label_ids: np.ndarray | None
-    metrics: dict[str, float]
 
 
 def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
@@ -49,10 +35,11 @@ class EvalLoop:
     every rank runs the same number of forward passes (FSDP's collectives need that)."""
 
     def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, rank: int,
-                 world_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0) -> None:
+                 world_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
+                 on_step: Callable[[], None] | None = None) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.rank, self.world_size, self.device, self.preprocess = rank, world_size, device, preprocess
-        self.seed = seed
+        self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -73,21 +60,27 @@ class EvalLoop:
                 # collated under its own seed: a collator that draws random numbers leaves dropout's RNG alone
                 seeded = SeededIndices(indices, derive_seed(self.seed, "eval", step, self.rank))
                 batch = {k: v.to(self.device) for k, v in data.__getitems__(seeded).items()}
-                loss_sum, logits = self.loss.forward(batch)
-                totals[0] += loss_sum.double()
-                totals[1] += self.loss.items(batch["labels"]).double()
+                if "labels" in batch:
+                    loss_sum, logits = self.loss.forward(batch)
+                    totals[0] += loss_sum.double()
+                    totals[1] += self.loss.items(batch["labels"]).double()
+                else:  # predict() on data without labels: predictions only, no loss
+                    logits = self.loss.logits(batch)
                 if with_predictions and logits is not None:
                     self._collect(indices, batch, logits, preds, labels)
+                if self.on_step is not None:
+                    self.on_step()
         reshard_all(self.model)
         self.model.train(was_training)
         dist.all_reduce(totals)
-        metrics = {f"{prefix}_loss": (totals[0] / totals[1].clamp(min=1)).item()}
+        metrics = {f"{prefix}_loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
         predictions = label_ids = None
         if with_predictions:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, (preds, labels))
             predictions = _stack_padded([p for rank_preds, _ in gathered for p in rank_preds])
-            label_ids = _stack_padded([label for _, rank_labels in gathered for label in rank_labels])
+            label_ids = _stack_padded([label for _, rank_labels in gathered for label in rank_labels]) \
+                if any(rank_labels for _, rank_labels in gathered) else None
             if compute_metrics is not None:
                 extra = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
                 metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": float(v)
@@ -95,17 +88,17 @@ class EvalLoop:
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
     def _collect(self, indices: list[int], batch: dict, logits: torch.Tensor, preds: list, labels: list) -> None:
+        batch_labels = batch.get("labels")
+        per_token = logits.dim() > 2 and "attention_mask" in batch  # (batch, tokens, ...): cut off the padding
         if self.preprocess is not None:
-            logits = self.preprocess(logits, batch["labels"])
-        logits = logits.float() if logits.is_floating_point() else logits
-        logits, batch_labels = logits.cpu().numpy(), batch["labels"].cpu().numpy()
-        lengths = batch["attention_mask"].sum(-1).tolist() if "attention_mask" in batch else None
+            logits = self.preprocess(logits, batch_labels)
+        logits = (logits.float() if logits.is_floating_point() else logits).cpu().numpy()
+        batch_labels = batch_labels.cpu().numpy() if batch_labels is not None else None
+        lengths = batch["attention_mask"].sum(-1).tolist() if per_token else None
         for row, index in enumerate(indices):
             if index < 0:
                 continue
-            if batch_labels.ndim > 1 and lengths is not None:
-                preds.append(logits[row, :lengths[row]])
-                labels.append(batch_labels[row, :lengths[row]])
-            else:
-                preds.append(logits[row])
-                labels.append(batch_labels[row])
+            end = lengths[row] if lengths is not None else None
+            preds.append(logits[row, :end] if end is not None else logits[row])
+            if batch_labels is not None:
+                labels.append(batch_labels[row, :end] if end is not None else batch_labels[row])

@@ -61,11 +61,10 @@ class MetricsLogger:
         self.last_logs.update(entry)
         if not self.is_main:
             return
-        if "jsonl" in self.args.report_to:
-            path = Path(self.args.output_dir) / "metrics.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as handle:
-                handle.write(json.dumps(entry) + "\n")
+        path = Path(self.args.output_dir) / "metrics.jsonl"  # always written, whatever report_to says
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
         if self.writer is not None:
             for key, value in entry.items():
                 if key not in ("step", "epoch") and isinstance(value, int | float):

@@ -73,5 +73,10 @@ class LossComputer:
                                ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, logits
 
+    def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The model's logits for a batch without labels (prediction)."""
+        with self._autocast():
+            return _logits(self.model(**batch))
+
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.forward(batch)[0]

@@ -33,24 +33,16 @@ def build_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Ad
                              fused=fused or None)
 
 
-def lr_lambda(kind: str, warmup_steps: int, total_steps: int):
-    """Multiplier of the base learning rate at a step: linear warmup, then linear / cosine / constant."""
-
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return step / warmup_steps if kind != "constant" else 1.0
-        if kind in ("constant", "constant_with_warmup"):
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        if kind == "linear":
-            return max(0.0, 1.0 - progress)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
-
-    return factor
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lr_lambda(args.lr_scheduler_type, args.warmup_steps, total_steps))
+    """transformers' own scheduler for `lr_scheduler_type` (so schedules match Hugging Face's step for step).
+
+    Warmup is `args.warmup_for(total_steps)`; `lr_scheduler_kwargs` go to the scheduler (e.g. `min_lr_rate` for
+    cosine_with_min_lr).
+    """
+    from transformers import get_scheduler
+
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_for(total_steps),
+                         num_training_steps=total_steps, scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
 
 
 def _replication(grad: torch.Tensor, world_size: int) -> int:

@@ -1,30 +1,33 @@
-"""Trainer state (what `trainer_state.json` holds) and the callback protocol, as in Hugging Face."""
+"""Trainer state, control flags and callbacks: transformers' own classes, so callbacks written for Hugging Face's
+Trainer (`EarlyStoppingCallback`, ...) work unchanged.
+
+`TrainerState` adds what an exact resume needs (`steps_per_epoch`, `global_batch_size`) to Hugging Face's
+dataclass; `trainer_state.json` is Hugging Face's file with those two keys more.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback, TrainerControl
+from transformers import TrainerState as _HFTrainerState
+
+__all__ = ["TrainerCallback", "TrainerControl", "TrainerState", "CallbackHandler"]
+
 
 @dataclass
-class TrainerState:
-    """Progress of a run; saved with every checkpoint so a resume continues exactly where it stopped."""
+class TrainerState(_HFTrainerState):
+    """Progress of a run (Hugging Face's fields) plus the batch plan a resume must match."""
 
-    global_step: int = 0
-    epoch: float = 0.0
-    max_steps: int = 0
     steps_per_epoch: int = 0
     global_batch_size: int = 0
-    log_history: list[dict[str, Any]] = field(default_factory=list)
-    best_metric: float | None = None
-    best_model_checkpoint: str | None = None
-    num_input_tokens_seen: int = 0
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
@@ -32,32 +35,34 @@ class TrainerState:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-@dataclass
-class TrainerControl:
-    """Flags a callback may set to steer the loop."""
+class CallbackHandler:
+    """Calls every callback's `on_<event>(args, state, control, **kwargs)`; a returned control replaces it."""
 
-    should_training_stop: bool = False
-    should_save: bool = False
-    should_evaluate: bool = False
+    def __init__(self, callbacks: list[TrainerCallback]) -> None:
+        self.callbacks: list[TrainerCallback] = []
+        for callback in callbacks:
+            self.add(callback)
 
+    def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
 
-class TrainerCallback:
-    """Override any hook; each gets (args, state, control, **kwargs) like Hugging Face callbacks."""
+    def pop(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        for existing in self.callbacks:
+            if existing is callback or (isinstance(callback, type) and isinstance(existing, callback)):
+                self.callbacks.remove(existing)
+                return existing
+        return None
 
-    def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102
-        pass
+    def remove(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.pop(callback)
 
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: D102
-        pass
-
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: D102
-        pass
-
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # noqa: D102
-        pass
-
-    def on_save(self, args, state, control, **kwargs):  # noqa: D102
-        pass
-
-    def on_train_end(self, args, state, control, **kwargs):  # noqa: D102
-        pass
+    def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> \
+            TrainerControl:
+        for callback in self.callbacks:
+            result = getattr(callback, event, None)
+            if result is None:
+                continue
+            result = result(args, state, control, **kwargs)
+            if result is not None:
+                control = result
+        return control

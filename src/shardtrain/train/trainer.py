@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import write_full_checkpoint
 from shardtrain.checkpoint.manager import PREFIX, CheckpointManager, full_model_state, model_config_dict
+from shardtrain.config import env
 from shardtrain.errors import install_error_hook
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.fsdp import apply_fsdp
@@ -35,9 +36,11 @@ from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
 from shardtrain.train.data import (
     BatchPlan,
     CollatingDataset,
+    ColumnFilter,
     PaddingCollator,
     StepBatchSampler,
     derive_seed,
+    forward_columns,
     passthrough,
 )
 from shardtrain.train.evaluation import EvalLoop, PredictionOutput
@@ -84,6 +87,8 @@ class Trainer:
                  preprocess_logits_for_metrics: Callable | None = None) -> None:
         install_error_hook()
         self.args = args
+        if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
+            os.environ[env.CPU] = env.true_word(True)
         init_distributed(timeout_s=args.ddp_timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
@@ -94,6 +99,9 @@ class Trainer:
         pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
         self.data_collator = data_collator or PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0)
         self._default_collator = data_collator is None
+        self._keep_columns = forward_columns(self.model) if args.remove_unused_columns else None
+        if self._keep_columns is not None:
+            self.data_collator = ColumnFilter(self.data_collator, self._keep_columns)
         self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
@@ -113,7 +121,8 @@ class Trainer:
             return load_pretrained(model, config if args.fsdp_enabled else None,
                                    mixed_precision=args.mixed_precision, device=self.device)
         if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            kwargs = {"use_reentrant": False, **args.gradient_checkpointing_kwargs}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if args.fsdp_enabled:
             if not isinstance(model, FSDPModule):
                 model.to(self.device)
@@ -133,23 +142,33 @@ class Trainer:
             self.lr_scheduler = build_scheduler(self.optimizer, self.args, total_steps)
 
     def _checkpoints(self) -> CheckpointManager:
-        return CheckpointManager(self.args.output_dir, model=self.model, optimizer=self.optimizer,
-                                 scheduler=self.lr_scheduler, state_dict_type=self.args.fsdp_config.state_dict_type,
-                                 save_total_limit=self.args.save_total_limit)
+        """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""
+        manager = getattr(self, "_checkpoint_manager", None)
+        if manager is None:
+            manager = CheckpointManager(self.args.output_dir, model=self.model, optimizer=self.optimizer,
+                                        scheduler=self.lr_scheduler,
+                                        state_dict_type=self.args.fsdp_config.state_dict_type,
+                                        save_total_limit=self.args.save_total_limit)
+            self._checkpoint_manager = manager
+        manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
+        return manager
 
     def _plan(self) -> BatchPlan:
         args = self.args
         return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=args.per_device_train_batch_size,
                          accumulation_steps=args.gradient_accumulation_steps, world_size=self.world_size,
-                         rank=self.rank, seed=args.seed)
+                         rank=self.rank, seed=args.seed if args.data_seed is None else args.data_seed)
 
     def _loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
         # Its own generator: creating the iterator must not draw from the global RNG that dropout uses, or a
         # resumed run (which creates one more iterator) would drop out different units.
         generator = torch.Generator().manual_seed(derive_seed(self.args.seed, "loader", epoch, self.rank))
+        workers = self.args.dataloader_num_workers
         return DataLoader(CollatingDataset(self.train_dataset, self.data_collator),
                           batch_sampler=StepBatchSampler(plan, epoch, start_step), collate_fn=passthrough,
-                          num_workers=self.args.dataloader_num_workers, generator=generator)
+                          num_workers=workers, generator=generator,
+                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
+                          prefetch_factor=self.args.dataloader_prefetch_factor if workers else None)
 
     def _resolve_resume(self, resume: str | bool | None) -> Path | None:
         """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
@@ -188,6 +207,19 @@ class Trainer:
                                   "TrainingArguments(fsdp=True) (and the same fsdp_config)")
         return path
 
+    def _report_unused_columns(self, dataset: Any, which: str) -> None:
+        """Say once which columns `remove_unused_columns` drops (Hugging Face's log line)."""
+        if self._keep_columns is None or self.rank != 0 or not hasattr(dataset, "__getitem__"):
+            return
+        names = getattr(dataset, "column_names", None)
+        if names is None and hasattr(dataset, "__len__") and len(dataset):
+            first = dataset[0]
+            names = list(first) if isinstance(first, dict) else []
+        dropped = sorted(set(names or []) - self._keep_columns)
+        if dropped:
+            print(f"The following columns in the {which} set don't have a corresponding argument in "
+                  f"`{type(self.model).__name__}.forward` and have been ignored: {', '.join(dropped)}.", flush=True)
+
     def _validate_inputs(self) -> None:
         """Everything that can be checked before the first step (collective: every rank raises together)."""
         args = self.args
@@ -200,6 +232,7 @@ class Trainer:
             raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
                             "checkpoint; pass Trainer(..., eval_dataset=...)")
         limits = ModelLimits.of(self.model, self.loss.shift_labels)
+        self._report_unused_columns(self.train_dataset, "training")
         validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
                          check_samples=self._default_collator, need_targets=True, device=self.device)
         self._validated.add(id(self.train_dataset))
@@ -234,6 +267,8 @@ class Trainer:
         self.model.train()
         self._callback("on_train_begin")
         self.logger.start(self.state.global_step, max_steps, self.state.num_input_tokens_seen)
+        if args.eval_on_start and self.state.global_step == 0:
+            self.evaluate()
         try:
             self._train_loop(plan, max_steps)
         except KeyboardInterrupt:
@@ -241,6 +276,8 @@ class Trainer:
                 print(f"error: interrupted at step {self.state.global_step}; resume with "
                       f"resume_from_checkpoint='auto'", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
+        # An async save still in flight is committed (or its error raised on every rank) before train() returns.
+        self._checkpoints().wait()
         self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._checkpoints().load(self.state.best_model_checkpoint, weights_only=True)
@@ -300,26 +337,41 @@ class Trainer:
         return loss_sum, tokens, grad_norm
 
     def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:
-        args, step = self.args, self.state.global_step
+        args, step, max_steps = self.args, self.state.global_step, self.state.max_steps
         at_epoch_end = step % self.state.steps_per_epoch == 0
-        last = step >= self.state.max_steps
-        if step % args.logging_steps == 0 or last:
+        last = step >= max_steps
+        if (args.logging_strategy == "steps" and step % args.interval("logging_steps", max_steps) == 0) or \
+                (args.logging_strategy == "epoch" and at_epoch_end) or (args.logging_first_step and step == 1) or \
+                (last and window) or self.control.should_log:
             sums = torch.stack([s for s, _ in window])
             dist.all_reduce(sums)
             losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
             logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
                     "learning_rate": self.lr_scheduler.get_last_lr()[0]}
             window.clear()
+            self.control.should_log = False
             self.log(logs)
         metrics = None
-        if (args.eval_strategy == "steps" and step % args.eval_every == 0) or \
+        if (args.eval_strategy == "steps" and step % args.interval("eval_steps", max_steps) == 0) or \
                 (args.eval_strategy == "epoch" and at_epoch_end) or self.control.should_evaluate:
             metrics = self.evaluate()
             self.control.should_evaluate = False
-        if (args.save_strategy == "steps" and step % args.save_steps == 0) or \
-                (args.save_strategy == "epoch" and at_epoch_end) or self.control.should_save:
+        if (args.save_strategy == "steps" and step % args.interval("save_steps", max_steps) == 0) or \
+                (args.save_strategy == "epoch" and at_epoch_end) or self.control.should_save or \
+                (args.save_strategy == "best" and self._improves_best(metrics)):
             self._save_checkpoint(metrics)
             self.control.should_save = False
+
+    def _improves_best(self, metrics: dict[str, float] | None) -> bool:
+        """Whether `metrics` beat `state.best_metric` on `metric_for_best_model` (save_strategy 'best')."""
+        name = self.args.metric_for_best_model
+        if not metrics or not name:
+            return False
+        value = metrics.get(name, metrics.get(f"eval_{name}"))
+        if value is None:
+            return False
+        best = self.state.best_metric
+        return best is None or (value > best if self.args.greater_is_better else value < best)
 
     def _save_checkpoint(self, metrics: dict[str, float] | None) -> None:
         args = self.args
@@ -332,7 +384,10 @@ class Trainer:
                     value > self.state.best_metric if args.greater_is_better else value < self.state.best_metric)
                 if better:
                     self.state.best_metric, self.state.best_model_checkpoint = value, path
-        self._checkpoints().save(self.state.global_step, self.state, model_only=args.save_only_model)
+        if args.save_async:  # waits for the previous async save; see shardtrain.checkpoint.async_save
+            self._checkpoints().save_async(self.state.global_step, self.state, model_only=args.save_only_model)
+        else:
+            self._checkpoints().save(self.state.global_step, self.state, model_only=args.save_only_model)
         self._callback("on_save")
 
     def log(self, logs: dict[str, float]) -> None:
@@ -350,7 +405,7 @@ class Trainer:
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss averaged over every eval token on every rank, plus `compute_metrics`; logged."""
         output = self.predict(eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix,
-                              with_predictions=self.compute_metrics is not None)
+                              with_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
         self.log(output.metrics)
         self._callback("on_evaluate", metrics=output.metrics)
         return output.metrics

@@ -6,11 +6,16 @@ everything from disk), which saves a process start per job. Keys besides Trainin
 "model" (llama | llama_tied | bert | gpt2: GPT-2 with dropout 0.1 and tied embeddings), "dataset_size",
 "resume" (passed to train()), "stop_after" (a callback stops the run after that step), "save_model" (dir),
 "probe" (the final model's logits on a fixed batch go to OUT/probe.pt), "random_collator" (a collator that
-masks 20 % of the input tokens at random). Rank 0 writes OUT/result.json.
+masks 20 % of the input tokens at random), "checkpoint_fault" (a dict, for save_async tests: "delay_s" starts
+the background writes of every save that much later, so training runs on while they are pending;
+"fail_step": rank 0's write of model.safetensors in that step's save raises ENOSPC). Rank 0 writes
+OUT/result.json.
 """
 
+import errno
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +62,34 @@ class RandomMaskCollator(PaddingCollator):
         return batch
 
 
+def inject_checkpoint_fault(delay_s: float = 0.0, fail_step: int | None = None):
+    """Patch this process's checkpoint writers (see the module docstring); returns the function that undoes it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.state_dict_saver as saver
+
+    import shardtrain.checkpoint.manager as manager
+
+    write_full, dcp_save = manager.write_full_checkpoint, saver.save
+
+    def write_model(state, out, config, *args, **kwargs):
+        if fail_step is not None and dist.get_rank() == 0 and Path(out).name.endswith(f"checkpoint-{fail_step}"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        time.sleep(delay_s)
+        return write_full(state, out, config, *args, **kwargs)
+
+    def delayed_dcp_save(*args, **kwargs):  # async_save's thread calls state_dict_saver.save; dcp.save is unchanged
+        time.sleep(delay_s)
+        return dcp_save(*args, **kwargs)
+
+    manager.write_full_checkpoint = write_model
+    saver.save = delayed_dcp_save
+
+    def restore() -> None:
+        manager.write_full_checkpoint, saver.save = write_full, dcp_save
+
+    return restore
+
+
 def run_job(knobs: dict) -> None:
     out = Path(knobs.pop("out"))
     model, data = build(knobs.pop("model", "llama"))
@@ -64,13 +97,18 @@ def run_job(knobs: dict) -> None:
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
     collator = RandomMaskCollator() if knobs.pop("random_collator", False) else None
+    restore = inject_checkpoint_fault(**knobs.pop("checkpoint_fault")) if "checkpoint_fault" in knobs else None
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
                 "save_strategy": "no", "warmup_steps": 2, "disable_tqdm": True, "max_grad_norm": 1.0}
     args = TrainingArguments(output_dir=str(out), **{**defaults, **knobs})
     callbacks = [StopAfter(stop_after)] if stop_after else []
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
                       data_collator=collator)
-    state = trainer.train(resume_from_checkpoint=resume)
+    try:
+        state = trainer.train(resume_from_checkpoint=resume)
+    finally:
+        if restore is not None:
+            restore()
     metrics = trainer.evaluate()
     if save_model:
         trainer.save_model(save_model)

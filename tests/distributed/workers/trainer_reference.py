@@ -10,6 +10,7 @@ Writes the largest weight difference and the grad norms.
 import copy
 import json
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def main() -> None:
     out = {"reference_grad_norms": ref_norms}
     for fsdp, optim in ((False, "adamw_torch_fused"), (True, "adamw_torch_fused"), (True, "adamw_torch")):
         norms = GradNorms()
-        args = TrainingArguments(output_dir="unused", per_device_train_batch_size=BATCH,
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BATCH,
                                  gradient_accumulation_steps=ACCUM, learning_rate=LR, weight_decay=DECAY,
                                  max_grad_norm=CLIP, lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1,
                                  save_strategy="no", report_to="none", disable_tqdm=True, fsdp=fsdp, optim=optim)

@@ -1,0 +1,127 @@
+"""Which `transformers.TrainingArguments` fields shardtrain implements, accepts without effect, or refuses.
+
+`TrainingArguments` declares the fields it implements itself; every other field of the installed
+transformers' `TrainingArguments` is added to it with Hugging Face's own type, default and help text
+(`mirrored_fields`), so `HfArgumentParser` parses Hugging Face command lines unchanged and a script never
+fails on a field name. A mirrored field set to a value other than its default either has no effect here
+(one warning lists them all) or would change results in a way shardtrain cannot honour (an error naming the
+field and what to do instead). `compatibility_table` renders this as the README's table; a test keeps the
+two equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import transformers
+
+# A non-default value of these would change what is trained or evaluated; refusing beats silently differing.
+REFUSED: dict[str, str] = {
+    "deepspeed": "shardtrain shards with FSDP2; drop --deepspeed and use --fsdp / fsdp_config",
+    "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
+    "auto_find_batch_size": "set per_device_train_batch_size yourself (batches must be equal on every rank)",
+    "label_smoothing_factor": "not implemented; the loss would differ from Hugging Face's",
+    "neftune_noise_alpha": "not implemented; the training inputs would differ from Hugging Face's",
+    "include_for_metrics": "compute_metrics receives predictions and label_ids only",
+    "batch_eval_metrics": "compute_metrics runs once over the whole evaluation set",
+    "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
+    "train_sampling_strategy": "samples are shuffled once per epoch ('random' only)",
+    "optim_target_modules": "only the AdamW optimizers are available",
+    "parallelism_config": "use cp_size / tp_size (parallelism beyond data parallel is being built)",
+}
+
+# Accepted and ignored, with the reason given in the warning and the README table.
+NO_EFFECT: dict[str, str] = {
+    "local_rank": "set by launchers; shardtrain reads RANK / LOCAL_RANK from torchrun",
+    "average_tokens_across_devices": "the loss is always the mean over every target token of the global batch",
+    "eval_do_concat_batches": "evaluation predictions are always concatenated",
+    "include_num_input_tokens_seen": "always tracked (TrainerState.num_input_tokens_seen)",
+    "skip_memory_metrics": "peak memory per rank is always logged",
+    "full_determinism": "CPU runs are deterministic; resume is bit-identical by construction",
+    "save_on_each_node": "rank 0 writes shared files once (multi-node needs a shared filesystem)",
+    "log_on_each_node": "rank 0 logs",
+    "use_liger_kernel": "the model runs as built; liger kernels are not applied",
+    "torch_compile": "not applied yet: the model runs eagerly (same results, less speed)",
+    "eval_use_gather_object": "predictions are always gathered as arrays",
+    "label_names": "labels are read from 'labels' ('label' and 'label_ids' are renamed to it)",
+    "dataloader_persistent_workers": "the DataLoader is rebuilt once per epoch",
+}
+DEFAULT_NO_EFFECT_REASON = "no effect in shardtrain"
+
+
+def hf_fields() -> dict[str, dataclasses.Field]:
+    """The fields of the installed transformers' `TrainingArguments`, by name."""
+    return {f.name: f for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+
+
+def mirrored_fields(implemented: set[str]) -> list[tuple[str, Any, dataclasses.Field]]:
+    """(name, type, field) of every Hugging Face field not in `implemented`, as `make_dataclass` takes them."""
+    out = []
+    for name, hf in hf_fields().items():
+        if name in implemented:
+            continue
+        kwargs: dict[str, Any] = {"metadata": dict(hf.metadata)}
+        if hf.default is not dataclasses.MISSING:
+            kwargs["default"] = hf.default
+        elif hf.default_factory is not dataclasses.MISSING:
+            kwargs["default_factory"] = hf.default_factory
+        else:
+            kwargs["default"] = None
+        out.append((name, hf.type, dataclasses.field(**kwargs)))
+    return out
+
+
+def default_of(name: str) -> Any:
+    field = hf_fields()[name]
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _value(value: Any) -> Any:
+    return getattr(value, "value", value)  # enums compare by value
+
+
+def check_mirrored(args: Any, implemented: set[str]) -> tuple[list[str], str | None]:
+    """(warnings, error) for the mirrored fields of `args` that differ from Hugging Face's default."""
+    ignored, refused = [], None
+    for name in hf_fields():
+        if name in implemented or name == "local_rank":
+            continue
+        value = getattr(args, name)
+        if _value(value) == _value(default_of(name)) or (value in (None, "", [], {}) and not default_of(name)):
+            continue
+        if name in REFUSED and refused is None:
+            refused = f"TrainingArguments.{name}={value!r} is not supported: {REFUSED[name]}"
+        elif name not in REFUSED:
+            ignored.append(f"{name}={value!r}")
+    warnings = []
+    if ignored:
+        warnings.append("these TrainingArguments fields have no effect in shardtrain and are ignored: "
+                        + ", ".join(ignored) + " (see the compatibility table in the README)")
+    return warnings, refused
+
+
+def compatibility_rows(implemented: set[str], ours: set[str], notes: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(field, status, note) for every Hugging Face field and every field of our own, sorted by name."""
+    rows = []
+    for name in sorted(set(hf_fields()) | ours):
+        if name in ours:
+            rows.append((name, "shardtrain only", notes.get(name, "")))
+        elif name in implemented:
+            rows.append((name, "supported", notes.get(name, "")))
+        elif name in REFUSED:
+            rows.append((name, "default only", REFUSED[name]))
+        else:
+            rows.append((name, "no effect", NO_EFFECT.get(name, DEFAULT_NO_EFFECT_REASON)))
+    return rows
+
+
+def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
+    """The rows as a Markdown table."""
+    lines = ["| field | status | note |", "|---|---|---|"]
+    lines += [f"| `{name}` | {status} | {note} |" for name, status, note in rows]
+    return "\n".join(lines) + "\n"
