@@ -194,7 +194,8 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
         holder["trainer"] = trainer
         if stage.enabled:
             _meter_trainer(stage, trainer, total)
-        state = trainer.train()
+        trainer.train()
+        state = trainer.state
     stage.write(cli.steps)
     losses = [e["loss"] for e in state.log_history if "loss" in e]
     tokens = spec.per_device_batch * spec.seq_len * world

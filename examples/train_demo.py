@@ -78,7 +78,8 @@ def main() -> None:
                       preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
     before = trainer.evaluate()
     start = time.perf_counter()
-    state = trainer.train()
+    trainer.train()
+    state = trainer.state
     seconds = time.perf_counter() - start
     after = trainer.evaluate()
     final_dir = trainer.save_model(f"{cli.output_dir}/final")

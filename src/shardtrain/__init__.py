@@ -18,6 +18,7 @@ _EXPORTS = {
     "FSDPConfigError": "shardtrain.config.fsdp_config",
     "Trainer": "shardtrain.train.trainer",
     "TrainerCallback": "shardtrain.train.state",
+    "TrainerControl": "shardtrain.train.state",
     "TrainerState": "shardtrain.train.state",
     "TrainingArguments": "shardtrain.train.arguments",
     "TrainingArgumentsError": "shardtrain.train.arguments",

@@ -30,4 +30,4 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path, point, rank, kind):
     python(WORKER, json.dumps([{**knobs, "per_device_train_batch_size": 8, "resume": True}]))
     result = json.loads((out / "result.json").read_text())
     assert result["global_step"] == 8 and result["steps"][-1] == 8
-    assert [p.name for p in CheckpointManager.list_checkpoints(out)] == ["checkpoint-6"]  # rotation, limit 1
+    assert [p.name for p in CheckpointManager.list_checkpoints(out)] == ["checkpoint-8"]  # the last step; limit 1

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -72,10 +73,25 @@ RNG_PREFIX = "rng_state_"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
+def model_class_name(model: nn.Module) -> str:
+    """The model's own class name: `fully_shard` swaps the class for a generated `FSDP<Name>` subclass."""
+    cls = type(model)
+    if issubclass(cls, FSDPModule):
+        bases = [base for base in cls.__bases__ if base is not FSDPModule]
+        if bases and cls.__name__ == f"FSDP{bases[0].__name__}":
+            return bases[0].__name__
+    return cls.__name__
+
+
 def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
-    """The Hugging Face config of `model` as a dict (None for plain modules)."""
+    """The Hugging Face config of `model` as a dict, with `architectures` naming the model's class (what
+    `save_pretrained` records); None for plain modules."""
     config = getattr(model, "config", None)
-    return config.to_dict() if hasattr(config, "to_dict") else None
+    if not hasattr(config, "to_dict"):
+        return None
+    data = config.to_dict()
+    data["architectures"] = [model_class_name(model)]
+    return data
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -276,12 +276,9 @@ class ColumnFilter:
                               for item in items])
 
 
-def forward_columns(model: torch.nn.Module) -> frozenset[str] | None:
-    """The names `model.forward` accepts, plus the label names (what `remove_unused_columns` keeps); None when
-    forward takes `**kwargs` (every column may be used)."""
+def forward_columns(model: torch.nn.Module) -> frozenset[str]:
+    """The parameter names of `model.forward` plus the label names: what `remove_unused_columns` keeps (as
+    Hugging Face, a `**kwargs` parameter does not make every column welcome)."""
     import inspect
 
-    params = inspect.signature(model.forward).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
-    return frozenset(params) | frozenset(LABEL_KEYS)
+    return frozenset(inspect.signature(model.forward).parameters) | frozenset(LABEL_KEYS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +56,8 @@ class LossComputer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(summed loss, logits or None)."""
+    def compute(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """(summed loss, the model's outputs)."""
         labels = batch["labels"]
         with self._autocast():
             outputs = self.model(**{k: v for k, v in batch.items() if k != "labels"})
@@ -64,14 +65,31 @@ class LossComputer:
         if logits is None:  # a module that computes its own (mean) loss
             with self._autocast():
                 outputs = self.model(**batch)
-            return outputs["loss"] * self.items(labels), None
+            return outputs["loss"] * self.items(labels), outputs
         if labels.dim() == 1:
-            return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"), logits
+            config = getattr(self.model, "config", None)
+            if config is not None and getattr(config, "problem_type", "") is None:
+                config.problem_type = "single_label_classification"  # what the model itself would record
+            return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"), outputs
         if self.shift_labels:  # shift the labels, not the logits: no copy of the logits, no padded grad
             labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss, logits
+        return loss, outputs
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed loss, logits or None)."""
+        loss, outputs = self.compute(batch)
+        return loss, _logits(outputs)
+
+    def with_labels(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A causal LM batch without labels (e.g. from DataCollatorWithPadding) learns every next token."""
+        if "labels" in batch or not self.shift_labels:
+            return batch
+        labels = batch["input_ids"].clone()
+        if "attention_mask" in batch:
+            labels = labels.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
+        return {**batch, "labels": labels}
 
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """The model's logits for a batch without labels (prediction)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,23 +15,28 @@ from torch.optim.lr_scheduler import LambdaLR
 from shardtrain.train.arguments import TrainingArguments
 
 
-def build_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.AdamW:
-    """AdamW; biases and norm weights (1-D parameters) get no weight decay, as in Hugging Face Trainer.
+def build_optimizer(model: nn.Module, args: TrainingArguments,
+                    cls_and_kwargs: tuple[type, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """AdamW (or `cls_and_kwargs`); biases and norm weights (1-D parameters) get no weight decay, as in Hugging
+    Face Trainer.
 
     `optim="adamw_torch_fused"` (the default, as in Hugging Face) updates each parameter in one kernel, with no
     temporary tensors; "adamw_torch" is the multi-tensor (foreach) implementation. Devices without a fused
-    kernel get foreach.
+    kernel get foreach. `cls_and_kwargs` (Trainer's `optimizer_cls_and_kwargs`) is built on the same groups.
     """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if cls_and_kwargs is not None:
+        cls, kwargs = cls_and_kwargs
+        return cls(groups, **kwargs)
     devices = {p.device.type for p in decay + no_decay}
     fused = args.optim == "adamw_torch_fused" and devices <= {"cpu", "cuda"}
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                             fused=fused or None)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, fused=fused or None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, total_steps: int) -> LambdaLR:

@@ -1,10 +1,12 @@
 """`Trainer`: FSDP2 training, evaluation, checkpoints and export behind Hugging Face's Trainer API.
 
-    trainer = Trainer(model, TrainingArguments(output_dir="out", fsdp=True), train_dataset=ds)
-    trainer.train()          # under `shardtrain launch` / torchrun on N ranks, or as one plain process
+    trainer = Trainer(model, TrainingArguments(output_dir="out", fsdp="full_shard"), train_dataset=ds)
+    result = trainer.train()   # TrainOutput(global_step, training_loss, metrics), as in transformers
+    # under `shardtrain launch` / torchrun on N ranks, or as one plain process
 
 The loss of a step is the sum over every target token of the global batch (all ranks, all micro-steps)
 divided by the number of those tokens, so a run depends on the global batch only, not on its split.
+Callbacks are transformers' (`TrainerCallback`, `TrainerState`, `TrainerControl`), fired at the same points.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import os
 import random
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,10 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
+from transformers.trainer_utils import TrainOutput, speed_metrics
 
-from shardtrain.checkpoint.errors import CheckpointError
-from shardtrain.checkpoint.full import write_full_checkpoint
-from shardtrain.checkpoint.manager import PREFIX, CheckpointManager, full_model_state, model_config_dict
+from shardtrain.checkpoint.manager import PREFIX, CheckpointManager
 from shardtrain.config import env
 from shardtrain.errors import install_error_hook
 from shardtrain.parallel.distributed import current_device, init_distributed
@@ -43,21 +45,13 @@ from shardtrain.train.data import (
     forward_columns,
     passthrough,
 )
-from shardtrain.train.evaluation import EvalLoop, PredictionOutput
 from shardtrain.train.logging import MetricsLogger
-from shardtrain.train.loss import LossComputer
+from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
-from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
-from shardtrain.train.validation import (
-    DataError,
-    ModelLimits,
-    OutputDirError,
-    agree,
-    validate_dataset,
-    writable_problem,
-)
-
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker; > 0 after a restart
+from shardtrain.train.preflight import PreflightMixin
+from shardtrain.train.state import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
+from shardtrain.train.trainer_api import TrainerAPIMixin
+from shardtrain.train.validation import DataError, OutputDirError, agree, writable_problem
 
 
 def set_seed(seed: int) -> None:
@@ -66,27 +60,38 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer:
-    """Train, evaluate and save a model with FSDP2 (see module docstring).
+class Trainer(PreflightMixin, TrainerAPIMixin):
+    """Train, evaluate and save a model with FSDP2; the arguments are Hugging Face's (see module docstring).
 
     Args:
         model: an `nn.Module` (Hugging Face model or any module whose forward takes the batch keys), or the
             path of a pretrained directory (loaded on rank 0 only when `cpu_ram_efficient_loading`).
-        args: `TrainingArguments`.
-        train_dataset / eval_dataset: map-style datasets of dicts with `input_ids` (and optionally `labels`,
-            `attention_mask`); `datasets.Dataset` works.
-        data_collator: batches a list of samples; default pads (`PaddingCollator`).
-        compute_metrics: `fn(EvalPrediction) -> dict` run on rank 0 over the whole eval set.
-        callbacks: `TrainerCallback` instances.
+        args: `TrainingArguments` (default: output_dir "trainer_output").
+        data_collator: batches a list of samples; default: `DataCollatorWithPadding` when `processing_class` is
+            a tokenizer (as Hugging Face), else `PaddingCollator`.
+        train_dataset / eval_dataset: map-style datasets of dicts (`datasets.Dataset` works).
+        processing_class: the tokenizer/processor; its pad token is used and `save_model` saves it.
+        model_init: builds the model when `model` is None.
+        compute_loss_func: `fn(outputs, labels, num_items_in_batch) -> loss`, as in Hugging Face.
+        compute_metrics: `fn(EvalPrediction) -> dict`, run over the whole eval set.
+        callbacks: `transformers.TrainerCallback` instances or classes.
+        optimizers: (optimizer, scheduler); an optimizer must be built on the parameters of the model as the
+            Trainer holds it (after FSDP): prefer `optimizer_cls_and_kwargs`.
+        optimizer_cls_and_kwargs: (optimizer class, kwargs), built on the sharded parameters with Hugging
+            Face's weight-decay grouping.
         preprocess_logits_for_metrics: `fn(logits, labels) -> tensor` applied per batch before gathering.
     """
 
-    def __init__(self, model: nn.Module | str, args: TrainingArguments, train_dataset: Any = None,
-                 eval_dataset: Any = None, data_collator: Callable | None = None,
-                 compute_metrics: Callable | None = None, callbacks: list[TrainerCallback] | None = None,
-                 preprocess_logits_for_metrics: Callable | None = None) -> None:
+    def __init__(self, model: nn.Module | str | None = None, args: TrainingArguments | None = None,
+                 data_collator: Callable | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, model_init: Callable[[], nn.Module] | None = None,
+                 compute_loss_func: Callable | None = None, compute_metrics: Callable | None = None,
+                 callbacks: list[TrainerCallback] | None = None,
+                 optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
+                 optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
+                 preprocess_logits_for_metrics: Callable | None = None, *, tokenizer: Any = None) -> None:
         install_error_hook()
-        self.args = args
+        self.args = args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
             os.environ[env.CPU] = env.true_word(True)
         init_distributed(timeout_s=args.ddp_timeout)
@@ -94,24 +99,36 @@ class Trainer:
         self.device = current_device()
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
+        if model is None:
+            if model_init is None:
+                raise TrainingArgumentsError("Trainer needs a model or a model_init function")
+            model = model_init()
+        self.model_init = model_init
         self.model = self._prepare_model(model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
-        self.data_collator = data_collator or PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0)
-        self._default_collator = data_collator is None
+        self.processing_class = processing_class if processing_class is not None else tokenizer
+        self._validate_samples = data_collator is None and not hasattr(self.processing_class, "pad")
+        self.data_collator = data_collator or self._default_collator()
         self._keep_columns = forward_columns(self.model) if args.remove_unused_columns else None
         if self._keep_columns is not None:
             self.data_collator = ColumnFilter(self.data_collator, self._keep_columns)
         self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
-        self.compute_metrics = compute_metrics
+        self.compute_metrics, self.compute_loss_func = compute_metrics, compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
-        self.callbacks = list(callbacks or [])
-        self.state = TrainerState()
+        self.callback_handler = CallbackHandler(list(callbacks or []))
+        self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
+                                  is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
         self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.lr_scheduler = None
+        self.optimizer, self.lr_scheduler = optimizers
+        self._check_given_optimizer()
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.logger = MetricsLogger(args, is_main=self.rank == 0)
+        self._fire("on_init_end")
+
+    @property
+    def callbacks(self) -> list[TrainerCallback]:
+        return self.callback_handler.callbacks
 
     # -- setup ----------------------------------------------------------------------------------------
     def _prepare_model(self, model: nn.Module | str) -> nn.Module:
@@ -135,11 +152,32 @@ class Trainer:
                 "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
         return model
 
-    def create_optimizer_and_scheduler(self, total_steps: int) -> None:
+    def _default_collator(self) -> Callable:
+        if hasattr(self.processing_class, "pad"):  # a tokenizer: Hugging Face's default
+            from transformers import DataCollatorWithPadding
+
+            return DataCollatorWithPadding(self.processing_class)
+        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        return PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0,
+                               labels_from_input_ids=is_causal_lm(self.model))
+
+    def _check_given_optimizer(self) -> None:
         if self.optimizer is None:
-            self.optimizer = build_optimizer(self.model, self.args)
+            return
+        held = {id(p) for p in self.model.parameters()}
+        given = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        if not given <= held:
+            raise TrainingArgumentsError(
+                "Trainer(optimizers=...) got an optimizer over parameters the Trainer does not train: FSDP "
+                "replaces the model's parameters with sharded ones when the Trainer wraps it. Pass "
+                "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) instead, or build the optimizer on "
+                "trainer.model after creating the Trainer")
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model, self.args, self.optimizer_cls_and_kwargs)
         if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(self.optimizer, self.args, total_steps)
+            self.lr_scheduler = build_scheduler(self.optimizer, self.args, num_training_steps)
 
     def _checkpoints(self) -> CheckpointManager:
         """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""
@@ -170,80 +208,10 @@ class Trainer:
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
                           prefetch_factor=self.args.dataloader_prefetch_factor if workers else None)
 
-    def _resolve_resume(self, resume: str | bool | None) -> Path | None:
-        """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
-
-        None under a torchrun restart (`TORCHELASTIC_RESTART_COUNT` > 0) means "auto", so `--max_restarts`
-        continues from the newest checkpoint without any logic in the script. Rank 0 chooses (skipping
-        damaged checkpoints with a warning) and every rank loads the same one.
-        """
-        if resume is None and int(os.environ.get(RESTART_COUNT_ENV, "0") or 0) > 0:
-            resume = "auto"
-        if resume in (None, False):
-            return None
-        if resume is True or resume == "auto":
-            chosen, warnings = CheckpointManager.resumable(self.args.output_dir) if self.rank == 0 else (None, [])
-            step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64)
-            dist.broadcast(step.to(self.device), src=0)
-            for line in warnings:
-                if self.rank == 0:
-                    print(f"warning: {line}", flush=True)
-            if int(step.item()) >= 0:
-                path = Path(self.args.output_dir) / f"{PREFIX}{int(step.item())}"
-                if self.rank == 0:
-                    print(f"Resuming from {path}", flush=True)
-                return path
-            if resume == "auto":
-                return None
-            raise CheckpointError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete, "
-                                  "undamaged checkpoint-<step>; use resume_from_checkpoint='auto' to start fresh "
-                                  "when there is none, or pass a path")
-        path = Path(resume)
-        if not path.is_dir():
-            raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory; pass a "
-                                  f"checkpoint-<step> directory, True, or 'auto'")
-        if not self.args.fsdp_enabled and ((path / "sharded").is_dir() or (path / "optimizer").is_dir()):
-            raise CheckpointError(f"{path} is an FSDP checkpoint but FSDP is off; resume with "
-                                  "TrainingArguments(fsdp=True) (and the same fsdp_config)")
-        return path
-
-    def _report_unused_columns(self, dataset: Any, which: str) -> None:
-        """Say once which columns `remove_unused_columns` drops (Hugging Face's log line)."""
-        if self._keep_columns is None or self.rank != 0 or not hasattr(dataset, "__getitem__"):
-            return
-        names = getattr(dataset, "column_names", None)
-        if names is None and hasattr(dataset, "__len__") and len(dataset):
-            first = dataset[0]
-            names = list(first) if isinstance(first, dict) else []
-        dropped = sorted(set(names or []) - self._keep_columns)
-        if dropped:
-            print(f"The following columns in the {which} set don't have a corresponding argument in "
-                  f"`{type(self.model).__name__}.forward` and have been ignored: {', '.join(dropped)}.", flush=True)
-
-    def _validate_inputs(self) -> None:
-        """Everything that can be checked before the first step (collective: every rank raises together)."""
-        args = self.args
-        if self.train_dataset is None:
-            raise DataError("Trainer.train() needs a train_dataset; pass Trainer(..., train_dataset=...)")
-        if args.eval_strategy != "no" and self.eval_dataset is None:
-            raise DataError(f"TrainingArguments.eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass "
-                            "Trainer(..., eval_dataset=...) or set eval_strategy='no'")
-        if args.load_best_model_at_end and self.eval_dataset is None:
-            raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
-                            "checkpoint; pass Trainer(..., eval_dataset=...)")
-        limits = ModelLimits.of(self.model, self.loss.shift_labels)
-        self._report_unused_columns(self.train_dataset, "training")
-        validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
-                         check_samples=self._default_collator, need_targets=True, device=self.device)
-        self._validated.add(id(self.train_dataset))
-        if self.eval_dataset is not None and args.eval_strategy != "no":
-            validate_dataset(self.eval_dataset, name="eval_dataset", limits=limits,
-                             check_samples=self._default_collator, need_targets=False, device=self.device)
-            self._validated.add(id(self.eval_dataset))
-
     # -- training -------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainerState:
-        """Run the training loop; returns the final `TrainerState` (with `log_history`)."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
+        """Run the training loop; returns `TrainOutput(global_step, training_loss, metrics)`."""
         args = self.args
         self._validate_inputs()
         resume = self._resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
@@ -252,20 +220,21 @@ class Trainer:
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
         self.create_optimizer_and_scheduler(max_steps)
         self.state = TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
-                                  global_batch_size=plan.global_batch_size)
+                                  global_batch_size=plan.global_batch_size, epoch=0.0,
+                                  num_train_epochs=math.ceil(max_steps / plan.steps_per_epoch),
+                                  train_batch_size=args.per_device_train_batch_size,
+                                  logging_steps=args.interval("logging_steps", max_steps),
+                                  eval_steps=args.interval("eval_steps", max_steps),
+                                  save_steps=args.interval("save_steps", max_steps),
+                                  is_local_process_zero=args.local_process_index == 0,
+                                  is_world_process_zero=self.rank == 0, total_flos=0.0)
         if resume is not None:
-            saved = CheckpointManager.read_state(resume)
-            if saved.get("global_batch_size") != plan.global_batch_size:
-                raise CheckpointError(
-                    f"{resume} was trained with a global batch of {saved.get('global_batch_size')} samples, this "
-                    f"run has {plan.global_batch_size}; keep per_device_train_batch_size x "
-                    f"gradient_accumulation_steps x ranks equal to resume exactly")
-            self.state = TrainerState.from_dict(self._checkpoints().load(resume))
-            self.state.max_steps = max_steps
-            if self.rank == 0:
-                self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
+            self._load_for_resume(resume, plan, max_steps)
+        start_step, start_time = self.state.global_step, time.time()
+        self._loss_total, self._loss_steps = 0.0, 0
         self.model.train()
-        self._callback("on_train_begin")
+        self.control.should_training_stop = False
+        self._fire("on_train_begin")
         self.logger.start(self.state.global_step, max_steps, self.state.num_input_tokens_seen)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
@@ -281,25 +250,70 @@ class Trainer:
         self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._checkpoints().load(self.state.best_model_checkpoint, weights_only=True)
-        self._callback("on_train_end")
-        return self.state
+        steps = self.state.global_step - start_step
+        metrics = speed_metrics("train", start_time, num_samples=steps * plan.global_batch_size, num_steps=steps)
+        training_loss = self._loss_total / max(self._loss_steps, 1)
+        metrics.update(total_flos=self.state.total_flos, train_loss=training_loss, epoch=self.state.epoch)
+        self.log(dict(metrics))
+        self._fire("on_train_end")
+        return TrainOutput(self.state.global_step, training_loss, metrics)
+
+    def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
+        saved = CheckpointManager.read_state(resume)
+        if saved.get("global_batch_size") != plan.global_batch_size:
+            raise TrainingArgumentsError(
+                f"{resume} was trained with a global batch of {saved.get('global_batch_size')} samples, this run "
+                f"has {plan.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps x "
+                "ranks equal to resume exactly")
+        fresh = self.state
+        self.state = TrainerState.from_dict(self._checkpoints().load(resume))
+        self.state.max_steps = max_steps
+        self.state.is_local_process_zero, self.state.is_world_process_zero = \
+            fresh.is_local_process_zero, fresh.is_world_process_zero
+        if self.rank == 0:
+            self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
 
     def _train_loop(self, plan: BatchPlan, max_steps: int) -> None:
         window: list[tuple[torch.Tensor, int]] = []
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             epoch, start = divmod(self.state.global_step, plan.steps_per_epoch)
             micro_batches = iter(self._loader(plan, epoch, start))
+            self.control.should_epoch_stop = False
+            self._fire("on_epoch_begin")
             for _ in range(start, plan.steps_per_epoch):
+                self.control.should_log = self.control.should_evaluate = self.control.should_save = False
+                self._fire("on_step_begin")
                 batches = [next(micro_batches) for _ in range(self.args.gradient_accumulation_steps)]
                 loss_sum, tokens, grad_norm = self.training_step(batches)
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch
                 window.append((loss_sum, tokens))
                 self.logger.step_done(self.state.num_input_tokens_seen)
+                self._fire("on_step_end")
                 self._maybe_log_evaluate_save(window, grad_norm)
-                self._callback("on_step_end")
-                if self.state.global_step >= max_steps or self.control.should_training_stop:
+                if self.state.global_step >= max_steps or self.control.should_training_stop or \
+                        self.control.should_epoch_stop:
                     break
+            self._fire("on_epoch_end")
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """Hugging Face's override point: the loss of `inputs`, summed over their target tokens and divided by
+        `num_items_in_batch` (the target tokens of the whole global batch of this step).
+
+        Overriding it (or passing `compute_loss_func`) costs one extra all-reduce per step: the global token
+        count must be known before the forward. Return the loss in that convention (sum / num_items_in_batch)
+        for the step to equal the default one.
+        """
+        if self.compute_loss_func is not None:
+            labels = inputs["labels"]
+            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            loss_sum, outputs = self.loss.compute(inputs)
+            count = num_items_in_batch if num_items_in_batch is not None else self.loss.items(inputs["labels"])
+            loss = loss_sum / count
+        return (loss, outputs) if return_outputs else loss
 
     def training_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int, torch.Tensor]:
         """Forward/backward over the micro-batches of one optimizer step, then clip and step.
@@ -308,19 +322,30 @@ class Trainer:
             (local sum of token losses, global number of target tokens, total grad norm); the global number
             of input tokens is added to `state.num_input_tokens_seen`.
         """
-        batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+        batches = [self.loss.with_labels({k: v.to(self.device) for k, v in b.items()}) for b in batches]
         # The backward pass needs a scale that is the same on every rank and known without communication:
         # 1 / (global batch in samples). The exact 1 / (global target tokens) is applied afterwards by
         # `normalize_and_clip_grads`, whose one all-reduce carries the token counts with the gradient norm.
         global_samples = max(self.state.global_batch_size, 1)
         fsdp = isinstance(self.model, FSDPModule)
+        custom = type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None
+        num_items = None
+        if custom:  # Hugging Face's contract: the global target-token count before the forward
+            num_items = self.loss.local_counts(batches)[0].clone()
+            dist.all_reduce(num_items)
+            num_items = num_items.to(torch.int64)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
             if fsdp and len(batches) > 1:  # reduce-scatter once per step, not per micro-step
                 self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            micro_sum = self.loss(batch)
+            if custom:
+                micro_sum = self.compute_loss(self.model, batch, num_items_in_batch=num_items) * num_items
+            else:
+                micro_sum = self.loss(batch)
             (micro_sum / global_samples).backward()
             loss_sum += micro_sum.detach().float()
+            if index < len(batches) - 1:
+                self._fire("on_substep_end")
         # FSDP averages gradients over the data-parallel ranks (all ranks of the default group).
         divisor = global_samples * (self.world_size if fsdp else 1)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), self.loss.local_counts(batches),
@@ -330,115 +355,91 @@ class Trainer:
             raise DataError(f"the global batch of step {self.state.global_step + 1} has no target token (every "
                             "label is -100); make sure each batch has labels to learn from (longer samples, or "
                             "a larger batch)")
+        self._fire("on_pre_optimizer_step")
         self.optimizer.step()
+        self._fire("on_optimizer_step")
+        self._step_lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step used (what Hugging Face logs)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.num_input_tokens_seen += input_tokens
+        self.state.total_flos += 6.0 * self._flop_params() * input_tokens
         return loss_sum, tokens, grad_norm
+
+    def _flop_params(self) -> int:
+        """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""
+        if not hasattr(self, "_flop_param_count"):
+            count = getattr(self.model, "num_parameters", None)
+            self._flop_param_count = count(exclude_embeddings=True) if callable(count) else \
+                sum(p.numel() for p in self.model.parameters())
+        return self._flop_param_count
 
     def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:
         args, step, max_steps = self.args, self.state.global_step, self.state.max_steps
         at_epoch_end = step % self.state.steps_per_epoch == 0
-        last = step >= max_steps
+        stopping = step >= max_steps or self.control.should_training_stop
         if (args.logging_strategy == "steps" and step % args.interval("logging_steps", max_steps) == 0) or \
                 (args.logging_strategy == "epoch" and at_epoch_end) or (args.logging_first_step and step == 1) or \
-                (last and window) or self.control.should_log:
+                (stopping and window) or self.control.should_log:
             sums = torch.stack([s for s, _ in window])
             dist.all_reduce(sums)
             losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
+            self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
             logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
-                    "learning_rate": self.lr_scheduler.get_last_lr()[0]}
+                    "learning_rate": self._step_lr}
             window.clear()
-            self.control.should_log = False
             self.log(logs)
         metrics = None
         if (args.eval_strategy == "steps" and step % args.interval("eval_steps", max_steps) == 0) or \
                 (args.eval_strategy == "epoch" and at_epoch_end) or self.control.should_evaluate:
             metrics = self.evaluate()
-            self.control.should_evaluate = False
-        if (args.save_strategy == "steps" and step % args.interval("save_steps", max_steps) == 0) or \
+        # as Hugging Face's DefaultFlowCallback: "steps" also saves the last step
+        if (args.save_strategy == "steps" and (step % args.interval("save_steps", max_steps) == 0
+                                               or step >= max_steps)) or \
                 (args.save_strategy == "epoch" and at_epoch_end) or self.control.should_save or \
                 (args.save_strategy == "best" and self._improves_best(metrics)):
             self._save_checkpoint(metrics)
-            self.control.should_save = False
+        elif metrics is not None:
+            self._update_best(metrics)
 
-    def _improves_best(self, metrics: dict[str, float] | None) -> bool:
-        """Whether `metrics` beat `state.best_metric` on `metric_for_best_model` (save_strategy 'best')."""
+    def _metric_value(self, metrics: dict[str, float] | None) -> float | None:
         name = self.args.metric_for_best_model
         if not metrics or not name:
-            return False
-        value = metrics.get(name, metrics.get(f"eval_{name}"))
+            return None
+        return metrics.get(name, metrics.get(f"eval_{name}"))
+
+    def _improves_best(self, metrics: dict[str, float] | None) -> bool:
+        """Whether `metrics` beat `state.best_metric` on `metric_for_best_model`."""
+        value, best = self._metric_value(metrics), self.state.best_metric
         if value is None:
             return False
-        best = self.state.best_metric
         return best is None or (value > best if self.args.greater_is_better else value < best)
+
+    def _update_best(self, metrics: dict[str, float] | None, checkpoint: str | None = None) -> None:
+        if self._improves_best(metrics):
+            self.state.best_metric = self._metric_value(metrics)
+            self.state.best_global_step = self.state.global_step
+            if checkpoint is not None:
+                self.state.best_model_checkpoint = checkpoint
 
     def _save_checkpoint(self, metrics: dict[str, float] | None) -> None:
         args = self.args
-        path = str(Path(args.output_dir) / f"checkpoint-{self.state.global_step}")
-        if metrics and args.metric_for_best_model:
-            name = args.metric_for_best_model
-            value = metrics.get(name, metrics.get(f"eval_{name}"))
-            if value is not None:
-                better = self.state.best_metric is None or (
-                    value > self.state.best_metric if args.greater_is_better else value < self.state.best_metric)
-                if better:
-                    self.state.best_metric, self.state.best_model_checkpoint = value, path
+        self._update_best(metrics, str(Path(args.output_dir) / f"{PREFIX}{self.state.global_step}"))
         if args.save_async:  # waits for the previous async save; see shardtrain.checkpoint.async_save
             self._checkpoints().save_async(self.state.global_step, self.state, model_only=args.save_only_model)
         else:
             self._checkpoints().save(self.state.global_step, self.state, model_only=args.save_only_model)
-        self._callback("on_save")
+        self._fire("on_save")
 
-    def log(self, logs: dict[str, float]) -> None:
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record `logs` for this step in `log_history`, metrics.jsonl, TensorBoard and the progress bar."""
-        entry = {**logs, "epoch": round(self.state.epoch, 4), "step": self.state.global_step}
+        entry = {**logs, "epoch": round(self.state.epoch or 0.0, 4), "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.logger.log(entry)
-        self._callback("on_log", logs=entry)
+        self._fire("on_log", logs=entry)
 
-    def _callback(self, event: str, **kwargs: Any) -> None:
-        for callback in self.callbacks:
-            getattr(callback, event)(self.args, self.state, self.control, model=self.model, **kwargs)
-
-    # -- evaluation and export ------------------------------------------------------------------------
-    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss averaged over every eval token on every rank, plus `compute_metrics`; logged."""
-        output = self.predict(eval_dataset if eval_dataset is not None else self.eval_dataset, metric_key_prefix,
-                              with_predictions=self.compute_metrics is not None and not self.args.prediction_loss_only)
-        self.log(output.metrics)
-        self._callback("on_evaluate", metrics=output.metrics)
-        return output.metrics
-
-    def predict(self, test_dataset: Any, metric_key_prefix: str = "test",
-                with_predictions: bool = True) -> PredictionOutput:
-        """Run the model over `test_dataset` on all ranks; predictions and labels come back on every rank."""
-        if test_dataset is None:
-            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
-        if id(test_dataset) not in self._validated:
-            validate_dataset(test_dataset, name=f"{metric_key_prefix}_dataset",
-                             limits=ModelLimits.of(self.model, self.loss.shift_labels),
-                             check_samples=self._default_collator, need_targets=False, device=self.device)
-            self._validated.add(id(test_dataset))
-        loop = EvalLoop(self.model, self.loss, self.data_collator, self.args.per_device_eval_batch_size,
-                        self.rank, self.world_size, self.device, self.preprocess_logits_for_metrics,
-                        seed=self.args.seed)
-        return loop.run(test_dataset, metric_key_prefix, self.compute_metrics, with_predictions)
-
-    def save_model(self, output_dir: str | None = None) -> Path:
-        """Write the full model (config.json + safetensors) that `from_pretrained` loads; every rank calls it.
-
-        The directory is checked before the model is gathered, and a failed write (disk full, permissions)
-        raises the same `OutputDirError` on every rank.
-        """
-        out = Path(output_dir or self.args.output_dir)
-        agree(writable_problem(out, "save_model directory") if self.rank == 0 else None, OutputDirError)
-        state = full_model_state(self.model)
-        problem = None
-        if self.rank == 0:
-            try:
-                write_full_checkpoint(state, out, model_config_dict(self.model))
-            except OSError as err:
-                problem = f"could not write the model to {out}: {err}; free space or choose another directory"
-        agree(problem, OutputDirError)
-        return out
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        """Call every callback's `event` with the arguments Hugging Face passes."""
+        self.control = self.callback_handler.fire(
+            event, self.args, self.state, self.control, model=self.model, processing_class=self.processing_class,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=None, eval_dataloader=None,
+            **kwargs)

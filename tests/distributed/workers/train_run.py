@@ -105,7 +105,8 @@ def run_job(knobs: dict) -> None:
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
                       data_collator=collator)
     try:
-        state = trainer.train(resume_from_checkpoint=resume)
+        trainer.train(resume_from_checkpoint=resume)
+        state = trainer.state
     finally:
         if restore is not None:
             restore()

@@ -1,0 +1,92 @@
+"""What the Trainer checks and decides before its first step: which checkpoint to resume from, and whether
+the datasets and arguments can be trained on (every rank raises the same error, before anything changes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.checkpoint.errors import CheckpointError
+from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, CheckpointManager
+from shardtrain.train.validation import DataError, ModelLimits, validate_dataset
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker; > 0 after a restart
+
+
+class PreflightMixin:
+    """Part of `Trainer`: resume resolution and input validation."""
+
+    def _resolve_resume(self, resume: str | bool | None) -> Path | None:
+        """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
+
+        None under a torchrun restart (`TORCHELASTIC_RESTART_COUNT` > 0) means "auto", so `--max_restarts`
+        continues from the newest checkpoint without any logic in the script. Rank 0 chooses (skipping
+        damaged checkpoints with a warning) and every rank loads the same one.
+        """
+        if resume is None and int(os.environ.get(RESTART_COUNT_ENV, "0") or 0) > 0:
+            resume = "auto"
+        if resume in (None, False):
+            return None
+        if resume is True or resume == "auto":
+            chosen, warnings = CheckpointManager.resumable(self.args.output_dir) if self.rank == 0 else (None, [])
+            step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64)
+            dist.broadcast(step.to(self.device), src=0)
+            for line in warnings:
+                if self.rank == 0:
+                    print(f"warning: {line}", flush=True)
+            if int(step.item()) >= 0:
+                path = Path(self.args.output_dir) / f"{PREFIX}{int(step.item())}"
+                if self.rank == 0:
+                    print(f"Resuming from {path}", flush=True)
+                return path
+            if resume == "auto":
+                return None
+            raise CheckpointError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete, "
+                                  "undamaged checkpoint-<step>; use resume_from_checkpoint='auto' to start fresh "
+                                  "when there is none, or pass a path")
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory; pass a "
+                                  f"checkpoint-<step> directory, True, or 'auto'")
+        if not self.args.fsdp_enabled and ((path / SHARDED_DIR).is_dir() or (path / OPTIMIZER_DIR).is_dir()):
+            raise CheckpointError(f"{path} is an FSDP checkpoint but FSDP is off; resume with "
+                                  "TrainingArguments(fsdp=True) (and the same fsdp_config)")
+        return path
+
+    def _report_unused_columns(self, dataset: Any, which: str) -> None:
+        """Say once which columns `remove_unused_columns` drops (Hugging Face's log line)."""
+        if self._keep_columns is None or self.rank != 0 or not hasattr(dataset, "__getitem__"):
+            return
+        names = getattr(dataset, "column_names", None)
+        if names is None and hasattr(dataset, "__len__") and len(dataset):
+            first = dataset[0]
+            names = list(first) if isinstance(first, dict) else []
+        dropped = sorted(set(names or []) - self._keep_columns)
+        if dropped:
+            print(f"The following columns in the {which} set don't have a corresponding argument in "
+                  f"`{type(self.model).__name__}.forward` and have been ignored: {', '.join(dropped)}.", flush=True)
+
+    def _validate_inputs(self) -> None:
+        """Everything that can be checked before the first step (collective: every rank raises together)."""
+        args = self.args
+        if self.train_dataset is None:
+            raise DataError("Trainer.train() needs a train_dataset; pass Trainer(..., train_dataset=...)")
+        if args.eval_strategy != "no" and self.eval_dataset is None:
+            raise DataError(f"TrainingArguments.eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass "
+                            "Trainer(..., eval_dataset=...) or set eval_strategy='no'")
+        if args.load_best_model_at_end and self.eval_dataset is None:
+            raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
+                            "checkpoint; pass Trainer(..., eval_dataset=...)")
+        limits = ModelLimits.of(self.model, self.loss.shift_labels)
+        self._report_unused_columns(self.train_dataset, "training")
+        validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
+                         check_samples=self._validate_samples, need_targets=True, device=self.device)
+        self._validated.add(id(self.train_dataset))
+        if self.eval_dataset is not None and args.eval_strategy != "no":
+            validate_dataset(self.eval_dataset, name="eval_dataset", limits=limits,
+                             check_samples=self._validate_samples, need_targets=False, device=self.device)
+            self._validated.add(id(self.eval_dataset))

@@ -1,0 +1,183 @@
+"""The parts of `Trainer` that Hugging Face scripts call around training: evaluate / predict, saving the model,
+metrics files, callbacks, dataloaders. Same names, arguments and files as `transformers.Trainer`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader, Sampler
+from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
+from transformers.trainer_utils import PredictionOutput, speed_metrics
+
+from shardtrain.checkpoint.full import write_full_checkpoint
+from shardtrain.checkpoint.manager import full_model_state, model_config_dict
+from shardtrain.errors import UserError
+from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, passthrough
+from shardtrain.train.evaluation import EvalLoop
+from shardtrain.train.state import TrainerCallback
+from shardtrain.train.validation import (
+    DataError,
+    ModelLimits,
+    OutputDirError,
+    agree,
+    validate_dataset,
+    writable_problem,
+)
+
+
+class HubError(UserError, RuntimeError):
+    """push_to_hub: shardtrain does not upload."""
+
+
+class TrainerAPIMixin:
+    """Part of `Trainer`: Hugging Face's public methods other than `train`."""
+
+    # Hugging Face's own implementations; they only need is_world_process_zero, args.output_dir and state.
+    log_metrics = log_metrics
+    metrics_format = metrics_format
+    save_metrics = save_metrics
+
+    def save_state(self) -> None:
+        """Write `output_dir/trainer_state.json` (rank 0), as Hugging Face's `save_state`."""
+        if self.is_world_process_zero():
+            self.state.save(Path(self.args.output_dir) / "trainer_state.json")
+
+    def is_world_process_zero(self) -> bool:
+        return self.rank == 0
+
+    def is_local_process_zero(self) -> bool:
+        return self.args.local_process_index == 0
+
+    # -- callbacks ---------------------------------------------------------------------------------------
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.add(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        return self.callback_handler.pop(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.remove(callback)
+
+    # -- evaluation --------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss averaged over every eval token on every rank, `compute_metrics`, and speed; logged."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        output = self._run_prediction(dataset, metric_key_prefix, with_predictions=self.compute_metrics is not None
+                                      and not self.args.prediction_loss_only)
+        self.log(output.metrics)
+        self._fire("on_evaluate", metrics=output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (and labels, loss and metrics when the data has labels) on every rank, in dataset order."""
+        output = self._run_prediction(test_dataset, metric_key_prefix, with_predictions=True)
+        self._fire("on_predict", metrics=output.metrics)
+        return output
+
+    def _run_prediction(self, dataset: Any, prefix: str, with_predictions: bool) -> PredictionOutput:
+        if dataset is None:
+            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
+        if id(dataset) not in self._validated:
+            limits = ModelLimits.of(self.model, self.loss.shift_labels)
+            validate_dataset(dataset, name=f"{prefix}_dataset", limits=limits,
+                             check_samples=self._validate_samples, need_targets=False, device=self.device)
+            self._validated.add(id(dataset))
+        start = time.time()
+        loop = EvalLoop(self.model, self.loss, self.data_collator, self.args.per_device_eval_batch_size,
+                        self.rank, self.world_size, self.device, self.preprocess_logits_for_metrics,
+                        seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"))
+        output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
+        steps = -(-len(dataset) // (self.args.per_device_eval_batch_size * self.world_size))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
+        if self.state.epoch is not None and prefix == "eval":
+            output.metrics["epoch"] = self.state.epoch
+        return output
+
+    # -- dataloaders (for scripts that iterate themselves) ------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """This rank's micro-batches of the first epoch, exactly as `train()` draws them."""
+        if self.train_dataset is None:
+            raise DataError("get_train_dataloader() needs a train_dataset")
+        return self._loader(self._plan(), epoch=0, start_step=0)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """This rank's contiguous share of the evaluation set, collated."""
+        return self._share_loader(eval_dataset if eval_dataset is not None else self.eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        return self._share_loader(test_dataset)
+
+    def _share_loader(self, dataset: Any) -> DataLoader:
+        if dataset is None:
+            raise DataError("a dataloader needs a dataset")
+        per_rank = -(-len(dataset) // self.world_size)
+        indices = list(range(self.rank * per_rank, min(len(dataset), (self.rank + 1) * per_rank)))
+        size = self.args.per_device_eval_batch_size
+        batches = [indices[i:i + size] for i in range(0, len(indices), size)]
+        sampler = _FixedBatches(batches, self.args.seed)
+        return DataLoader(CollatingDataset(dataset, self.data_collator), batch_sampler=sampler,
+                          collate_fn=passthrough)
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> Path:
+        """Write what `from_pretrained` loads: config.json (with `architectures`), safetensors,
+        generation_config.json for generative models, and the processing class's files. Every rank calls it;
+        the directory is checked before the model is gathered, and a failed write raises on every rank."""
+        out = Path(output_dir or self.args.output_dir)
+        agree(writable_problem(out, "save_model directory") if self.rank == 0 else None, OutputDirError)
+        state = full_model_state(self.model)
+        problem = None
+        if self.rank == 0:
+            try:
+                write_full_checkpoint(state, out, model_config_dict(self.model))
+                generation = getattr(self.model, "generation_config", None)
+                can_generate = getattr(self.model, "can_generate", lambda: False)()
+                if generation is not None and can_generate:
+                    generation.save_pretrained(out)
+                if hasattr(self.processing_class, "save_pretrained"):
+                    self.processing_class.save_pretrained(out)
+                (out / "training_args.json").write_text(self.args.to_json_string())
+            except OSError as err:
+                problem = f"could not write the model to {out}: {err}; free space or choose another directory"
+        agree(problem, OutputDirError)
+        return out
+
+    def create_model_card(self, model_name: str | None = None, **kwargs: Any) -> None:
+        """A short README.md in output_dir: what was trained, how, and the last logged results."""
+        if not self.is_world_process_zero():
+            return
+        name = model_name or Path(self.args.output_dir).name
+        evals = [e for e in self.state.log_history if any(k.startswith("eval_") for k in e)]
+        lines = ["---", "library_name: transformers", "tags:", "- shardtrain", "- generated_from_trainer", "---",
+                 "", f"# {name}", "", f"`{type(self.model).__name__}` trained with shardtrain (FSDP2) for "
+                 f"{self.state.global_step} steps on {self.world_size} rank(s).", "", "## Training hyperparameters",
+                 ""]
+        for key in ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+                    "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs", "optim"):
+            lines.append(f"- {key}: {getattr(self.args, key)}")
+        if evals:
+            lines += ["", "## Results", "", "```json", json.dumps(evals[-1], indent=2), "```"]
+        (Path(self.args.output_dir) / "README.md").write_text("\n".join(lines) + "\n")
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        raise HubError("shardtrain does not upload to the Hugging Face Hub; after save_model, upload the directory "
+                       "with huggingface_hub (HfApi().upload_folder(folder_path=..., repo_id=...))")
+
+
+class _FixedBatches(Sampler):
+    """A batch sampler over fixed index lists (each with its own collation seed)."""
+
+    def __init__(self, batches: list[list[int]], seed: int) -> None:
+        self.batches, self.seed = batches, seed
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            yield SeededIndices(batch, derive_seed(self.seed, "share", i))
+
+    def __len__(self) -> int:
+        return len(self.batches)
