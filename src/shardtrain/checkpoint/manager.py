@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.checkpoint.async_save import (
     AlreadyStaged,
