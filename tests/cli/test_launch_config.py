@@ -233,3 +233,51 @@ def test_torchrun_arguments(home, tmp_path, capsys, monkeypatch) -> None:
         "--local_addr=127.0.0.1",
     ]
     assert plan["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_accelerate_yaml_with_null_keys_is_accepted(home, tmp_path, capsys) -> None:
+    """Accelerate writes unset keys as null (its latest FSDP config has fsdp_ignored_modules: null)."""
+    config = write(
+        tmp_path / "latest_fsdp.yaml",
+        """\
+        compute_environment: LOCAL_MACHINE
+        debug: false
+        distributed_type: FSDP
+        downcast_bf16: 'no'
+        enable_cpu_affinity: null
+        fsdp_config:
+          fsdp_activation_checkpointing: false
+          fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+          fsdp_cpu_ram_efficient_loading: true
+          fsdp_ignored_modules: null
+          fsdp_offload_params: false
+          fsdp_reshard_after_forward: true
+          fsdp_state_dict_type: SHARDED_STATE_DICT
+          fsdp_transformer_layer_cls_to_wrap: null
+          fsdp_version: 2
+        machine_rank: 0
+        main_process_ip: null
+        main_process_port: null
+        main_training_function: main
+        mixed_precision: bf16
+        num_machines: 1
+        num_processes: 2
+        rdzv_backend: static
+        same_network: true
+        some_future_key: null
+        tpu_env: []
+        use_cpu: false
+        """,
+    )
+    plan, err = dry_run(capsys, "--config_file", str(config), str(REPORT))
+    fsdp = json.loads(plan["env"]["SHARDTRAIN_FSDP_CONFIG"])
+    assert fsdp["state_dict_type"] == "SHARDED_STATE_DICT" and fsdp["cpu_ram_efficient_loading"] is True
+    assert fsdp["transformer_layer_cls_to_wrap"] == []  # null: the model's _no_split_modules
+    assert plan["env"]["SHARDTRAIN_MIXED_PRECISION"] == "bf16"
+    assert "--nproc_per_node=2" in plan["torchrun_argv"]
+    assert "some_future_key" in err  # named among the ignored keys, not an error
+
+
+def test_default_config_warning_names_the_flags_given(home, tmp_path, capsys) -> None:
+    _, err = dry_run(capsys, "--num_processes", "2", str(REPORT))
+    assert "settings not given as flags take their defaults" in err and "using defaults: 1 process" not in err

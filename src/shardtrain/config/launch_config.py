@@ -138,6 +138,8 @@ def map_fsdp_config(raw: Any, where: str) -> tuple[dict[str, Any], list[str]]:
     mapped: dict[str, Any] = {}
     ignored: list[str] = []
     for key, value in raw.items():
+        if value is None:  # Accelerate writes unset keys as null (e.g. fsdp_ignored_modules): nothing to map
+            continue
         name = str(key).removeprefix("fsdp_")
         if name in _IGNORED_FSDP:
             ignored.append(f"fsdp_config.{key}")
@@ -204,6 +206,8 @@ class LaunchConfig:
                 config.ignored.append(str(key))
             elif key in _TOP_KEYS:
                 config.set(str(key), value, where)
+            elif value is None:  # an Accelerate key left unset (null): nothing to do, say so
+                config.ignored.append(str(key))
             else:
                 raise LaunchConfigError(f"{where}: unknown key {key!r}{_closest(str(key), known)}")
         if "use_parallelism_config" not in raw:  # as Accelerate: a non-empty section turns it on
