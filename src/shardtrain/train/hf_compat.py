@@ -85,6 +85,13 @@ def _value(value: Any) -> Any:
     return getattr(value, "value", value)  # enums compare by value
 
 
+def _is_default(value: Any, default: Any) -> bool:
+    value, default = _value(value), _value(default)
+    if isinstance(value, bool) and isinstance(default, str):  # HfArgumentParser turns a str|bool default into bool
+        return value == (default.lower() in ("yes", "true", "t", "y", "1", "all"))
+    return value == default or (value in (None, "", [], {}) and not default)
+
+
 def check_mirrored(args: Any, implemented: set[str]) -> tuple[list[str], str | None]:
     """(warnings, error) for the mirrored fields of `args` that differ from Hugging Face's default."""
     ignored, refused = [], None
@@ -92,7 +99,7 @@ def check_mirrored(args: Any, implemented: set[str]) -> tuple[list[str], str | N
         if name in implemented or name == "local_rank":
             continue
         value = getattr(args, name)
-        if _value(value) == _value(default_of(name)) or (value in (None, "", [], {}) and not default_of(name)):
+        if _is_default(value, default_of(name)):
             continue
         if name in REFUSED and refused is None:
             refused = f"TrainingArguments.{name}={value!r} is not supported: {REFUSED[name]}"
