@@ -96,7 +96,7 @@ def main() -> None:
             "eval_token_accuracy_after": round(after["eval_token_accuracy"], 4),
             "tokens_per_second": round(state.num_input_tokens_seen / seconds, 1),
             "peak_memory_mb_per_rank": peaks, "checkpoint": str(CheckpointManager.list_checkpoints(cli.output_dir)[-1]),
-            "final_model": str(final_dir),
+            "final_model": str(final_dir), "report": f"{cli.output_dir}/report.png",
         }
         print("summary " + json.dumps(summary, indent=2), flush=True)
         with open(f"{cli.output_dir}/summary.json", "w") as handle:

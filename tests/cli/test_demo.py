@@ -29,3 +29,21 @@ def test_demo_trains_and_saves(tmp_path):
     assert (out / "checkpoint-30" / "sharded" / ".metadata").is_file()
     model = LlamaForCausalLM.from_pretrained(str(out / "final"))
     assert model.config.num_hidden_layers == 4
+    # the run's picture: drawn from metrics.jsonl at the end of train(), four panels with data
+    from matplotlib.image import imread
+
+    from shardtrain.train.report import panel_series, read_metrics
+
+    assert summary["report"] == f"{out}/report.png"
+    image = imread(out / "report.png")
+    assert image.shape[0] > 300 and image.shape[1] > 500 and image.std() > 0.01  # drawn, not blank
+    panels = panel_series(read_metrics(out / "metrics.jsonl"))
+    for name in ("loss", "learning_rate", "grad_norm", "throughput_memory"):
+        for label, (steps, values) in panels[name].items():
+            if label != "eval loss":  # the demo evaluates outside train(): its eval_loss is logged at steps 0, 30
+                assert steps and len(steps) == len(values), (name, label)
+    assert panels["loss"]["eval loss"][0] == [0, 30]
+    entries = read_metrics(out / "metrics.jsonl")
+    train = [e for e in entries if "loss" in e]
+    assert all(e["memory_kind"] == "cpu_peak_rss" and len(e["peak_memory_mb_per_rank"]) == 2 for e in train)
+    assert all(e["tokens_per_second"] > 0 for e in train)

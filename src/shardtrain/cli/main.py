@@ -1,8 +1,9 @@
-"""`shardtrain` entry point: argparse subcommands config / launch / merge / env.
+"""`shardtrain` entry point: argparse subcommands config / launch / merge / report / env.
 
     shardtrain config                                  # write $SHARDTRAIN_HOME/default_config.yaml
     shardtrain launch [flags] train.py [script args]   # run on N processes / M machines
     shardtrain merge CHECKPOINT_DIR OUTPUT_DIR         # sharded checkpoint -> safetensors
+    shardtrain report OUTPUT_DIR                       # report.png from OUTPUT_DIR/metrics.jsonl
     shardtrain env                                     # versions, backends, devices, config
     python -m shardtrain.cli.main ...                  # same, without the console script
 
@@ -35,12 +36,19 @@ def run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_report(args: argparse.Namespace) -> int:
+    """Entry of `shardtrain report`: `shardtrain.train.report` (imported lazily)."""
+    from shardtrain.train.report import main as report_main
+
+    return report_main([args.output_dir, *(["--out", args.out] if args.out else [])])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The `shardtrain` parser with its four subcommands."""
+    """The `shardtrain` parser with its subcommands."""
     parser = argparse.ArgumentParser(
         prog="shardtrain", description="FSDP2 training: config, launch, merge, env.", allow_abbrev=False
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,env}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,report,env}")
     add_config_parser(subparsers)
     add_launch_parser(subparsers)
     merge = subparsers.add_parser(
@@ -49,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("checkpoint_dir", help="checkpoint directory (e.g. output/checkpoint-500)")
     merge.add_argument("output_dir", help="where the merged safetensors model goes")
     merge.set_defaults(func=run_merge)
+    report = subparsers.add_parser("report", help="draw report.png (loss, learning rate, grad norm, throughput "
+                                                  "and memory) from a run's metrics.jsonl", allow_abbrev=False)
+    report.add_argument("output_dir", help="the run's output_dir (holds metrics.jsonl)")
+    report.add_argument("--out", help="PNG path (default: OUTPUT_DIR/report.png)")
+    report.set_defaults(func=run_report)
     add_env_parser(subparsers)
     return parser
 

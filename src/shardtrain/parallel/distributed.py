@@ -5,7 +5,9 @@ environment (RANK, WORLD_SIZE, MASTER_ADDR, ...); a plain `python script.py` get
 in-memory store, so FSDP2, DTensor and DCP behave the same there.
 
 `init_distributed` also registers an exit handler (see `_teardown_at_exit`): a finished script exits 0
-whether or not it calls `destroy_distributed()` (or `dist.destroy_process_group()`) itself.
+whether or not it calls `destroy_distributed()` (or `dist.destroy_process_group()`) itself. At exit a
+rank waits up to SHARDTRAIN_EXIT_TIMEOUT seconds (default 60) for the other ranks to finish their scripts
+too; a rank that exits because of an uncaught exception does not wait.
 """
 
 from __future__ import annotations
@@ -189,8 +191,9 @@ def _wait_for_idle_gloo_threads(max_s: float) -> None:
     quiet = 0
     while time.monotonic() < deadline:
         states = _gloo_thread_states()
-        if states is None:
-            time.sleep(min(0.1, max_s))
+        if not states:  # none left, or no /proc to look at (then a short fixed grace period)
+            if states is None:
+                time.sleep(min(0.1, max_s))
             return
         quiet = quiet + 1 if all(state in "SD" for state in states) else 0
         if quiet >= 2:

@@ -15,9 +15,14 @@ from tqdm.auto import tqdm
 from shardtrain.train.arguments import TrainingArguments
 
 
+def memory_kind() -> str:
+    """What `peak_memory_mb` measures: "cuda_max_allocated" (allocator high-water mark) or "cpu_peak_rss"."""
+    return "cuda_max_allocated" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu_peak_rss"
+
+
 def peak_memory_mb() -> float:
     """Peak resident memory of this process (CPU), or peak allocated GPU memory, in MiB."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if memory_kind() == "cuda_max_allocated":
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -45,7 +45,7 @@ from shardtrain.train.data import (
     forward_columns,
     passthrough,
 )
-from shardtrain.train.logging import MetricsLogger
+from shardtrain.train.logging import MetricsLogger, memory_kind, peak_memory_mb
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
 from shardtrain.train.preflight import PreflightMixin
@@ -255,8 +255,20 @@ class Trainer(PreflightMixin, TrainerAPIMixin):
         training_loss = self._loss_total / max(self._loss_steps, 1)
         metrics.update(total_flos=self.state.total_flos, train_loss=training_loss, epoch=self.state.epoch)
         self.log(dict(metrics))
+        self._draw_report()
         self._fire("on_train_end")
         return TrainOutput(self.state.global_step, training_loss, metrics)
+
+    def _draw_report(self) -> None:
+        """output_dir/report.png from metrics.jsonl (rank 0, when matplotlib is installed)."""
+        if self.rank != 0:
+            return
+        try:
+            from shardtrain.train.report import draw_report
+
+            draw_report(Path(self.args.output_dir) / "metrics.jsonl", Path(self.args.output_dir) / "report.png")
+        except ImportError:
+            return  # matplotlib is an extra: pip install 'shardtrain[report]'
 
     def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
         saved = CheckpointManager.read_state(resume)
@@ -385,7 +397,7 @@ class Trainer(PreflightMixin, TrainerAPIMixin):
             losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
             self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
             logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
-                    "learning_rate": self._step_lr}
+                    "learning_rate": self._step_lr, **self._throughput_and_memory()}
             window.clear()
             self.log(logs)
         metrics = None
@@ -400,6 +412,15 @@ class Trainer(PreflightMixin, TrainerAPIMixin):
             self._save_checkpoint(metrics)
         elif metrics is not None:
             self._update_best(metrics)
+
+    def _throughput_and_memory(self) -> dict[str, Any]:
+        """Tokens/s since train() started, and every rank's peak memory (one small all-gather per log)."""
+        mine = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        per_rank = [round(float(t), 1) for t in every]
+        return {"tokens_per_second": round(self.logger.tokens_per_second, 1), "peak_memory_mb": max(per_rank),
+                "peak_memory_mb_per_rank": per_rank, "memory_kind": memory_kind()}
 
     def _metric_value(self, metrics: dict[str, float] | None) -> float | None:
         name = self.args.metric_for_best_model

@@ -1,0 +1,110 @@
+"""`report.png`: four panels drawn from `metrics.jsonl` — loss (train and eval), learning rate, gradient norm,
+and throughput with peak memory.
+
+    shardtrain report OUTPUT_DIR              # draws OUTPUT_DIR/report.png from OUTPUT_DIR/metrics.jsonl
+    python -m shardtrain.train.report OUTPUT_DIR
+
+The Trainer draws it at the end of `train()` on rank 0 when matplotlib is installed (`pip install
+shardtrain[report]`). Memory is what metrics.jsonl names in `memory_kind`: the allocator's high-water mark on
+GPU (`cuda_max_allocated`), the process's peak resident set on CPU (`cpu_peak_rss`), the largest over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The entries of a metrics.jsonl (a line cut short by a crash is skipped)."""
+    entries = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            continue
+    return entries
+
+
+def series(entries: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the entries that have `key`."""
+    rows = [(e["step"], e[key]) for e in entries if key in e and isinstance(e[key], int | float)]
+    return [s for s, _ in rows], [v for _, v in rows]
+
+
+def panel_series(entries: list[dict[str, Any]]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """What each panel plots: panel -> label -> (steps, values)."""
+    return {"loss": {"train loss": series(entries, "loss"), "eval loss": series(entries, "eval_loss")},
+            "learning_rate": {"learning rate": series(entries, "learning_rate")},
+            "grad_norm": {"gradient norm": series(entries, "grad_norm")},
+            "throughput_memory": {"tokens/s": series(entries, "tokens_per_second"),
+                                  "peak memory (MiB)": series(entries, "peak_memory_mb")}}
+
+
+def draw_report(metrics_file: str | Path, out: str | Path) -> Path:
+    """Draw the four panels of `metrics_file` into the PNG `out`; returns `out`.
+
+    Raises:
+        ImportError: matplotlib is not installed (the message says how to install it).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError("drawing report.png needs matplotlib: pip install 'shardtrain[report]'") from err
+    entries = read_metrics(metrics_file)
+    data = panel_series(entries)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    (loss, lr), (grad, speed) = axes
+    loss.plot(*data["loss"]["train loss"], label="train loss")
+    loss.plot(*data["loss"]["eval loss"], "o-", label="eval loss")
+    loss.set_title("loss")
+    loss.legend()
+    lr.plot(*data["learning_rate"]["learning rate"], color="tab:green")
+    lr.set_title("learning rate")
+    grad.plot(*data["grad_norm"]["gradient norm"], color="tab:red")
+    grad.set_title("gradient norm (before clipping)")
+    speed.plot(*data["throughput_memory"]["tokens/s"], color="tab:purple", label="tokens/s")
+    speed.set_title("throughput and peak memory")
+    speed.set_ylabel("tokens/s")
+    memory = speed.twinx()
+    kind = next((e["memory_kind"] for e in entries if "memory_kind" in e), "memory")
+    memory.plot(*data["throughput_memory"]["peak memory (MiB)"], "--", color="tab:gray",
+                label=f"{kind} (MiB, max rank)")
+    memory.set_ylabel("MiB")
+    memory.legend(loc="lower right")
+    for ax in (loss, lr, grad, speed):
+        ax.set_xlabel("step")
+    out = Path(out)
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`shardtrain report OUTPUT_DIR [--out PNG]`; 0 when drawn, 2 with an `error:` line otherwise."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="shardtrain report", description="draw report.png from metrics.jsonl")
+    parser.add_argument("output_dir")
+    parser.add_argument("--out", help="PNG path (default: OUTPUT_DIR/report.png)")
+    args = parser.parse_args(argv)
+    metrics = Path(args.output_dir) / "metrics.jsonl"
+    if not metrics.is_file():
+        print(f"error: {metrics} does not exist; pass the output_dir of a training run", file=sys.stderr)
+        return 2
+    try:
+        out = draw_report(metrics, args.out or Path(args.output_dir) / "report.png")
+    except ImportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
