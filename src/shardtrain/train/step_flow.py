@@ -1,0 +1,108 @@
+"""When the Trainer logs, evaluates and saves (Hugging Face's strategies and intervals), what a log entry holds,
+and how the best checkpoint is tracked. Part of `Trainer`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardtrain.checkpoint.manager import PREFIX
+from shardtrain.train.logging import memory_kind, peak_memory_mb
+
+
+class StepFlowMixin:
+    """Logging, evaluation and saving after each step; callbacks."""
+
+    def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:
+        args, step, max_steps = self.args, self.state.global_step, self.state.max_steps
+        at_epoch_end = step % self.state.steps_per_epoch == 0
+        stopping = step >= max_steps or self.control.should_training_stop
+        if (args.logging_strategy == "steps" and step % args.interval("logging_steps", max_steps) == 0) or \
+                (args.logging_strategy == "epoch" and at_epoch_end) or (args.logging_first_step and step == 1) or \
+                (stopping and window) or self.control.should_log:
+            sums = torch.stack([s for s, _ in window])
+            dist.all_reduce(sums)
+            losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
+            self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
+            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
+                    "learning_rate": self._step_lr, **self._throughput_and_memory()}
+            window.clear()
+            self.log(logs)
+        metrics = None
+        if (args.eval_strategy == "steps" and step % args.interval("eval_steps", max_steps) == 0) or \
+                (args.eval_strategy == "epoch" and at_epoch_end) or self.control.should_evaluate:
+            metrics = self.evaluate()
+        # as Hugging Face's DefaultFlowCallback: "steps" also saves the last step
+        if (args.save_strategy == "steps" and (step % args.interval("save_steps", max_steps) == 0
+                                               or step >= max_steps)) or \
+                (args.save_strategy == "epoch" and at_epoch_end) or self.control.should_save or \
+                (args.save_strategy == "best" and self._improves_best(metrics)):
+            self._save_checkpoint(metrics)
+        elif metrics is not None:
+            self._update_best(metrics)
+
+    def _throughput_and_memory(self) -> dict[str, Any]:
+        """Tokens/s since train() started, and every rank's peak memory (one small all-gather per log)."""
+        mine = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        per_rank = [round(float(t), 1) for t in every]
+        return {"tokens_per_second": round(self.logger.tokens_per_second, 1), "peak_memory_mb": max(per_rank),
+                "peak_memory_mb_per_rank": per_rank, "memory_kind": memory_kind()}
+
+    def _metric_value(self, metrics: dict[str, float] | None) -> float | None:
+        name = self.args.metric_for_best_model
+        if not metrics or not name:
+            return None
+        return metrics.get(name, metrics.get(f"eval_{name}"))
+
+    def _improves_best(self, metrics: dict[str, float] | None) -> bool:
+        """Whether `metrics` beat `state.best_metric` on `metric_for_best_model`."""
+        value, best = self._metric_value(metrics), self.state.best_metric
+        if value is None:
+            return False
+        return best is None or (value > best if self.args.greater_is_better else value < best)
+
+    def _update_best(self, metrics: dict[str, float] | None, checkpoint: str | None = None) -> None:
+        if self._improves_best(metrics):
+            self.state.best_metric = self._metric_value(metrics)
+            self.state.best_global_step = self.state.global_step
+            if checkpoint is not None:
+                self.state.best_model_checkpoint = checkpoint
+
+    def _save_checkpoint(self, metrics: dict[str, float] | None) -> None:
+        args = self.args
+        self._update_best(metrics, str(Path(args.output_dir) / f"{PREFIX}{self.state.global_step}"))
+        if args.save_async:  # waits for the previous async save; see shardtrain.checkpoint.async_save
+            self._checkpoints().save_async(self.state.global_step, self.state, model_only=args.save_only_model)
+        else:
+            self._checkpoints().save(self.state.global_step, self.state, model_only=args.save_only_model)
+        self._fire("on_save")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Record `logs` for this step in `log_history`, metrics.jsonl, TensorBoard and the progress bar."""
+        entry = {**logs, "epoch": round(self.state.epoch or 0.0, 4), "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self.logger.log(entry)
+        self._fire("on_log", logs=entry)
+
+    def _draw_report(self) -> None:
+        """output_dir/report.png from metrics.jsonl (rank 0, when matplotlib is installed)."""
+        if self.rank != 0:
+            return
+        try:
+            from shardtrain.train.report import draw_report
+
+            draw_report(Path(self.args.output_dir) / "metrics.jsonl", Path(self.args.output_dir) / "report.png")
+        except ImportError:
+            return  # matplotlib is an extra: pip install 'shardtrain[report]'
+
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        """Call every callback's `event` with the arguments Hugging Face passes."""
+        self.control = self.callback_handler.fire(
+            event, self.args, self.state, self.control, model=self.model, processing_class=self.processing_class,
+            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=None, eval_dataloader=None,
+            **kwargs)
