@@ -212,8 +212,16 @@ class CheckpointManager:
             CheckpointError: a rank could not write its part (disk full, permissions); every rank raises it,
                 the partial `.tmp-checkpoint-<step>` is removed and the existing checkpoints are untouched.
         """
-        final = self.output_dir / f"{PREFIX}{step}"
-        tmp = self.output_dir / f"{TMP_PREFIX}{step}"
+        final, tmp = self._start_save(step)
+        self._all_ok(lambda: self._write(tmp, state, model_only), tmp, step)
+        _fault_point("before_commit", step)
+        self._all_ok(lambda: self._commit(tmp, final, step, state.best_model_checkpoint) if self.rank == 0 else None,
+                     tmp, step)
+        return final
+
+    def _start_save(self, step: int) -> tuple[Path, Path]:
+        """(final, temporary) directory of `step`; rank 0 makes a fresh temporary one (collective)."""
+        final, tmp = self.output_dir / f"{PREFIX}{step}", self.output_dir / f"{TMP_PREFIX}{step}"
 
         def prepare() -> None:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -222,11 +230,7 @@ class CheckpointManager:
 
         self._all_ok(prepare if self.rank == 0 else None, tmp, step)
         _fault_point("save_start", step)
-        self._all_ok(lambda: self._write(tmp, state, model_only), tmp, step)
-        _fault_point("before_commit", step)
-        self._all_ok(lambda: self._commit(tmp, final, step, state.best_model_checkpoint) if self.rank == 0 else None,
-                     tmp, step)
-        return final
+        return final, tmp
 
     def _write(self, tmp: Path, state: Any, model_only: bool) -> None:
         """Every rank writes its part of the checkpoint into `tmp` (collective)."""
@@ -278,16 +282,7 @@ class CheckpointManager:
         if self._worker is None:
             self._stager = ReusableStager()
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-checkpoint")
-        final = self.output_dir / f"{PREFIX}{step}"
-        tmp = self.output_dir / f"{TMP_PREFIX}{step}"
-
-        def prepare() -> None:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-
-        self._all_ok(prepare if self.rank == 0 else None, tmp, step)
-        _fault_point("save_start", step)
+        final, tmp = self._start_save(step)
         staged: dict[str, Any] = {}
         self._all_ok(lambda: staged.update(self._stage(tmp, state, model_only)), tmp, step)
         _fault_point("after_model", step)
