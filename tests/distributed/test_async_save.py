@@ -64,7 +64,7 @@ def test_async_checkpoints_hold_the_same_files_and_bytes(runs, kind):
     for mode in MODES:
         names = sorted(p.name for p in (runs / f"{kind}-{mode}").iterdir())
         # no .tmp- directory left, and every checkpoint matches its manifest
-        assert names == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "metrics.jsonl", "result.json"], names
+        assert names == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "metrics.jsonl", "report.png", "result.json"], names
         assert all(manifest_problem(runs / f"{kind}-{mode}" / f"checkpoint-{s}") is None for s in (2, 4, 6))
     for step in (2, 4, 6):
         sync, done = (_files(runs / f"{kind}-{mode}" / f"checkpoint-{step}") for mode in MODES)

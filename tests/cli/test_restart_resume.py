@@ -1,0 +1,63 @@
+"""`shardtrain launch --max_restarts 2` continues a run exactly, with no resume logic in the script: a rank
+SIGKILLed at a random step, a rank SIGKILLed in the middle of a save, and a newest checkpoint damaged before
+the restart (skipped with a warning) all end with final weights bit-identical to an uninterrupted run."""
+
+import random
+
+import pytest
+import torch
+from conftest import SCRIPTS, cli_cmd, cli_env, explain
+from safetensors.torch import load_file
+
+from shardtrain.parallel.distributed import find_free_port
+
+SCRIPT = SCRIPTS / "train_restart.py"
+TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+RNG = random.Random(20261129)  # the trials are random but fixed, so a failure can be replayed
+SAVE_POINTS = ("save_start", "after_model", "before_commit", "before_rotate")
+DAMAGES = ("truncate", "rng", "state", "manifest", "scheduler")
+TRIALS = (
+    [("kill", TYPES[i % 2], f"{RNG.randrange(2)}:{RNG.randrange(1, 8)}", None) for i in range(5)]
+    + [("mid_save", TYPES[i % 2], None, f"{RNG.choice(SAVE_POINTS)}:{RNG.randrange(2)}:{RNG.choice((4, 6))}")
+       for i in range(5)]
+    + [("damaged", TYPES[i % 2], f"{RNG.randrange(2)}:{RNG.choice((5, 7))}:{DAMAGES[i]}", None) for i in range(5)]
+)
+
+
+def _launch(home, out, kind, kill=None, fault=None, restarts=2):
+    import subprocess
+
+    extra = {"SHARDTRAIN_FAULT": fault} if fault else {}
+    args = [out, kind] + ([kill] if kill else [])
+    proc = subprocess.run(cli_cmd("launch", "--cpu", "--num_processes", 2, "--max_restarts", restarts,
+                                  "--main_process_port", find_free_port(), SCRIPT, *args),
+                          env=cli_env(home, **extra), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, explain(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    home = root / "home"
+    out = {}
+    for kind in TYPES:
+        _launch(home, root / kind, kind, restarts=0)
+        out[kind] = load_file(root / kind / "final" / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("trial", range(len(TRIALS)), ids=[f"{t[0]}-{t[1][:4]}-{t[2] or t[3]}" for t in TRIALS])
+def test_restart_resumes_to_the_same_weights(references, tmp_path, trial):
+    what, kind, kill, fault = TRIALS[trial]
+    out = tmp_path / "run"
+    proc = _launch(tmp_path / "home", out, kind, kill=kill, fault=fault)
+    log = proc.stdout + proc.stderr
+    assert "Resuming from" in log, explain(proc)  # it did restart and pick a checkpoint by itself
+    if what == "damaged":
+        assert "skipping damaged checkpoint" in log, explain(proc)
+    final = load_file(out / "final" / "model.safetensors")
+    assert final.keys() == references[kind].keys()
+    for key, ref in references[kind].items():
+        assert torch.equal(final[key], ref), key
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]
