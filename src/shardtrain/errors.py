@@ -49,6 +49,7 @@ def report(error: BaseException) -> None:
 
 
 _previous_hook = None
+_installed = False
 
 
 def _hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
@@ -59,8 +60,12 @@ def _hook(kind: type[BaseException], error: BaseException, tb: TracebackType | N
 
 
 def install_error_hook() -> None:
-    """Make uncaught `UserError`s print one line instead of a traceback (idempotent; others untouched)."""
-    global _previous_hook
-    if sys.excepthook is not _hook:
-        _previous_hook = sys.excepthook
+    """Make uncaught `UserError`s print one line instead of a traceback (once per process; others untouched).
+
+    Once: torch's distributed setup wraps `sys.excepthook` around ours, so "is ours installed?" cannot be
+    read from `sys.excepthook`, and wrapping torch's wrapper again would make the two call each other.
+    """
+    global _previous_hook, _installed
+    if not _installed:
+        _previous_hook, _installed = sys.excepthook, True
         sys.excepthook = _hook
