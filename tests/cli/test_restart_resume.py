@@ -3,6 +3,7 @@ SIGKILLed at a random step, a rank SIGKILLed in the middle of a save, and a newe
 the restart (skipped with a warning) all end with final weights bit-identical to an uninterrupted run."""
 
 import random
+import subprocess
 
 import pytest
 import torch
@@ -16,17 +17,19 @@ TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 RNG = random.Random(20261129)  # the trials are random but fixed, so a failure can be replayed
 SAVE_POINTS = ("save_start", "after_model", "before_commit", "before_rotate")
 DAMAGES = ("truncate", "rng", "state", "manifest", "scheduler")
+# kill: after step 3..7 (a checkpoint exists by then); mid_save: a save point of step 4 or 6; damaged: the
+# newest checkpoint is damaged before the kill at step 5 or 7. Ranks alternate; every trial is distinct.
+_KILL_STEPS = RNG.sample(range(3, 8), 5)
+_SAVE_FAULTS = RNG.sample([(point, step) for point in SAVE_POINTS for step in (4, 6)], 5)
 TRIALS = (
-    [("kill", TYPES[i % 2], f"{RNG.randrange(2)}:{RNG.randrange(1, 8)}", None) for i in range(5)]
-    + [("mid_save", TYPES[i % 2], None, f"{RNG.choice(SAVE_POINTS)}:{RNG.randrange(2)}:{RNG.choice((4, 6))}")
-       for i in range(5)]
-    + [("damaged", TYPES[i % 2], f"{RNG.randrange(2)}:{RNG.choice((5, 7))}:{DAMAGES[i]}", None) for i in range(5)]
+    [("kill", TYPES[i % 2], f"{i % 2}:{_KILL_STEPS[i]}", None) for i in range(5)]
+    + [("mid_save", TYPES[i % 2], None, f"{point}:{(i + 1) % 2}:{step}")
+       for i, (point, step) in enumerate(_SAVE_FAULTS)]
+    + [("damaged", TYPES[i % 2], f"{i % 2}:{RNG.choice((5, 7))}:{DAMAGES[i]}", None) for i in range(5)]
 )
 
 
 def _launch(home, out, kind, kill=None, fault=None, restarts=2):
-    import subprocess
-
     extra = {"SHARDTRAIN_FAULT": fault} if fault else {}
     args = [out, kind] + ([kill] if kill else [])
     proc = subprocess.run(cli_cmd("launch", "--cpu", "--num_processes", 2, "--max_restarts", restarts,

@@ -58,13 +58,17 @@ class PreflightMixin:
         return path
 
     def _report_unused_columns(self, dataset: Any, which: str) -> None:
-        """Say once which columns `remove_unused_columns` drops (Hugging Face's log line)."""
-        if self._keep_columns is None or self.rank != 0 or not hasattr(dataset, "__getitem__"):
+        """Say once which columns `remove_unused_columns` drops (Hugging Face's log line). Rank 0 only, so it
+        must never raise (a peer would wait for rank 0 in the next collective)."""
+        if self._keep_columns is None or self.rank != 0:
             return
-        names = getattr(dataset, "column_names", None)
-        if names is None and hasattr(dataset, "__len__") and len(dataset):
-            first = dataset[0]
-            names = list(first) if isinstance(first, dict) else []
+        try:
+            names = getattr(dataset, "column_names", None)
+            if names is None and len(dataset):
+                first = dataset[0]
+                names = list(first) if isinstance(first, dict) else []
+        except Exception:  # noqa: BLE001 - only a log line; the dataset checks report real problems
+            return
         dropped = sorted(set(names or []) - self._keep_columns)
         if dropped:
             print(f"The following columns in the {which} set don't have a corresponding argument in "
@@ -82,9 +86,9 @@ class PreflightMixin:
             raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
                             "checkpoint; pass Trainer(..., eval_dataset=...)")
         limits = ModelLimits.of(self.model, self.loss.shift_labels)
-        self._report_unused_columns(self.train_dataset, "training")
         validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
                          check_samples=self._validate_samples, need_targets=True, device=self.device)
+        self._report_unused_columns(self.train_dataset, "training")  # after: the dataset is known to be readable
         self._validated.add(id(self.train_dataset))
         if self.eval_dataset is not None and args.eval_strategy != "no":
             validate_dataset(self.eval_dataset, name="eval_dataset", limits=limits,

@@ -214,7 +214,7 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def main() -> None:
     root = Path(sys.argv[1])
-    init_distributed()
+    init_distributed(timeout_s=120)  # a case that desynchronises the ranks fails in 2 minutes, not 30
     rank = dist.get_rank()
     base = root / "base"
     train(base, max_steps=4, save_strategy="steps", save_steps=2, **SHARDED)  # checkpoint-2 and checkpoint-4
