@@ -2,6 +2,7 @@
 SIGKILLed at a random step, a rank SIGKILLed in the middle of a save, and a newest checkpoint damaged before
 the restart (skipped with a warning) all end with final weights bit-identical to an uninterrupted run."""
 
+import json
 import random
 import subprocess
 
@@ -64,3 +65,6 @@ def test_restart_resumes_to_the_same_weights(references, tmp_path, trial):
     for key, ref in references[kind].items():
         assert torch.equal(final[key], ref), key
     assert not [p for p in out.iterdir() if p.name.startswith(".tmp")]
+    # metrics.jsonl: the steps replayed after the restart are logged once, not twice
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if "loss" in e] == list(range(1, 9))
