@@ -128,7 +128,7 @@ def compatibility_rows(implemented: set[str], ours: set[str], notes: dict[str, s
 
 
 def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
-    """The rows as a Markdown table."""
-    lines = ["| field | status | note |", "|---|---|---|"]
+    """The rows as a Markdown table (headed by the transformers version it was generated from)."""
+    lines = [f"Fields of transformers {transformers.__version__}:", "", "| field | status | note |", "|---|---|---|"]
     lines += [f"| `{name}` | {status} | {note} |" for name, status, note in rows]
     return "\n".join(lines) + "\n"
