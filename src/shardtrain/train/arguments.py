@@ -17,13 +17,11 @@ to the fields left unset (None): an argument the user passed wins, even `fsdp=Fa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +55,7 @@ class TrainingArgumentsError(UserError, ValueError):
 
 
 @dataclass(kw_only=True)
-class _ImplementedArguments:
+class _ImplementedArguments(hf_compat.HFArgumentsMixin):
     """The fields shardtrain implements (Hugging Face's meaning) and its own additions (see OURS)."""
 
     output_dir: str | None = None
@@ -144,83 +142,6 @@ class _ImplementedArguments:
     def warmup_for(self, max_steps: int) -> int:
         """Warmup steps: `warmup_steps` when >= 1, else that ratio of `max_steps` (as transformers 5)."""
         return int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(self.warmup_steps * max_steps)
-
-    # -- what Hugging Face scripts read ------------------------------------------------------------------
-    @property
-    def process_index(self) -> int:
-        return int(os.environ.get("RANK", "0") or 0)
-
-    @property
-    def local_process_index(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0") or 0)
-
-    @property
-    def world_size(self) -> int:
-        return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-    @property
-    def should_log(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def should_save(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def device(self) -> Any:
-        from shardtrain.parallel.distributed import current_device
-
-        return current_device()
-
-    @property
-    def n_gpu(self) -> int:
-        return 1 if self.device.type == "cuda" else 0
-
-    @property
-    def parallel_mode(self) -> Any:
-        from transformers.training_args import ParallelMode
-
-        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_DISTRIBUTED
-
-    @property
-    def train_batch_size(self) -> int:
-        return self.per_device_train_batch_size
-
-    @property
-    def eval_batch_size(self) -> int:
-        return self.per_device_eval_batch_size
-
-    def get_process_log_level(self) -> int:
-        """Hugging Face's log level for this process: INFO on rank 0, WARNING elsewhere (numeric)."""
-        return 20 if self.should_log else 30
-
-    @contextlib.contextmanager
-    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
-        """Rank 0 runs the body first (e.g. dataset preprocessing with a cache), then the others."""
-        import torch.distributed as dist
-
-        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        rank = self.local_process_index if local else self.process_index
-        if active and rank != 0:
-            dist.barrier()
-        try:
-            yield
-        finally:
-            if active and rank == 0:
-                dist.barrier()
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of every field (enums as values, the FSDP config as its dict)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, FSDPConfig):
-                value = value.to_dict()
-            out[f.name] = getattr(value, "value", value)
-        return out
-
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
 
     # -- validation --------------------------------------------------------------------------------------
     def _fail(self, name: str, message: str) -> None:

@@ -11,7 +11,11 @@ two equal.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import transformers
@@ -132,3 +136,84 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
     lines = [f"Fields of transformers {transformers.__version__}:", "", "| field | status | note |", "|---|---|---|"]
     lines += [f"| `{name}` | {status} | {note} |" for name, status, note in rows]
     return "\n".join(lines) + "\n"
+
+
+class HFArgumentsMixin:
+    """What Hugging Face scripts read from `TrainingArguments` besides its fields (rank, device, logging)."""
+
+    # -- what Hugging Face scripts read ------------------------------------------------------------------
+    @property
+    def process_index(self) -> int:
+        return int(os.environ.get("RANK", "0") or 0)
+
+    @property
+    def local_process_index(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+    @property
+    def should_log(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def should_save(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def device(self) -> Any:
+        from shardtrain.parallel.distributed import current_device
+
+        return current_device()
+
+    @property
+    def n_gpu(self) -> int:
+        return 1 if self.device.type == "cuda" else 0
+
+    @property
+    def parallel_mode(self) -> Any:
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_DISTRIBUTED
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.per_device_eval_batch_size
+
+    def get_process_log_level(self) -> int:
+        """Hugging Face's log level for this process: INFO on rank 0, WARNING elsewhere (numeric)."""
+        return 20 if self.should_log else 30
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
+        """Rank 0 runs the body first (e.g. dataset preprocessing with a cache), then the others."""
+        import torch.distributed as dist
+
+        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = self.local_process_index if local else self.process_index
+        if active and rank != 0:
+            dist.barrier()
+        try:
+            yield
+        finally:
+            if active and rank == 0:
+                dist.barrier()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field (enums as values, the FSDP config as its dict)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if hasattr(value, "to_dict") and not isinstance(value, dict):  # the parsed FSDPConfig
+                value = value.to_dict()
+            out[f.name] = getattr(value, "value", value)
+        return out
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
