@@ -13,9 +13,19 @@ from shardtrain.train.data import IGNORE_INDEX
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Causal LMs predict token t+1 at position t: their labels are shifted before the loss."""
+    """Causal LMs predict token t+1 at position t: their labels are shifted before the loss.
+
+    transformers' own list of causal-LM classes decides (GPT2LMHeadModel is one, without "ForCausalLM" in its
+    name); other models count when their name or config says so.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from shardtrain.checkpoint.manager import model_class_name
+
+    name = model_class_name(model)
+    known = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in (v if isinstance(v, tuple) else (v,))}
     config = getattr(model, "config", None)
-    return "ForCausalLM" in type(model).__name__ or bool(getattr(config, "is_decoder", False))
+    return name in known or "ForCausalLM" in name or bool(getattr(config, "is_decoder", False))
 
 
 def _logits(outputs) -> torch.Tensor | None:
