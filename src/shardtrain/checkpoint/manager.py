@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -29,7 +28,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -43,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.checkpoint.async_save import (
     AlreadyStaged,
@@ -58,6 +55,14 @@ from shardtrain.checkpoint.async_save import (
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
 from shardtrain.checkpoint.manifest import manifest_problem, write_manifest
+from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
+    full_model_state,
+    model_class_name,
+    model_config_dict,
+    rng_state,
+    set_rng_state,
+    tied_aliases,
+)
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.parallel.distributed import barrier
 
@@ -71,59 +76,6 @@ SCHEDULER_FILE = "scheduler.json"
 TIED_FILE = "tied_weights.json"
 RNG_PREFIX = "rng_state_"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
-
-
-def model_class_name(model: nn.Module) -> str:
-    """The model's own class name: `fully_shard` swaps the class for a generated `FSDP<Name>` subclass."""
-    cls = type(model)
-    if issubclass(cls, FSDPModule):
-        bases = [base for base in cls.__bases__ if base is not FSDPModule]
-        if bases and cls.__name__ == f"FSDP{bases[0].__name__}":
-            return bases[0].__name__
-    return cls.__name__
-
-
-def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
-    """The Hugging Face config of `model` as a dict, with `architectures` naming the model's class (what
-    `save_pretrained` records); None for plain modules."""
-    config = getattr(model, "config", None)
-    if not hasattr(config, "to_dict"):
-        return None
-    data = config.to_dict()
-    data["architectures"] = [model_class_name(model)]
-    return data
-
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model gathered on CPU on rank 0 (empty on other ranks); every rank must call it.
-
-    A tied weight appears once, under its first name (`from_pretrained` re-ties the others from the config).
-    """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    for alias in _tied_aliases(model):
-        state.pop(alias, None)
-    return state
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as tensors (loadable with weights_only=True)."""
-    version, state, gauss = random.getstate()
-    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    out = {"python": torch.tensor(state, dtype=torch.int64), "python_version": version, "python_gauss": gauss,
-           "numpy": torch.from_numpy(np_keys.astype(np.int64)), "numpy_pos": int(np_pos),
-           "numpy_has_gauss": int(np_has_gauss), "numpy_gauss": float(np_gauss), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def set_rng_state(saved: dict[str, Any]) -> None:
-    random.setstate((saved["python_version"], tuple(saved["python"].tolist()), saved["python_gauss"]))
-    np.random.set_state(("MT19937", saved["numpy"].numpy().astype(np.uint32), saved["numpy_pos"],
-                         saved["numpy_has_gauss"], saved["numpy_gauss"]))
-    torch.set_rng_state(saved["torch"])
-    if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
 
 
 def checkpoint_kind(path: Path) -> str:
@@ -258,7 +210,7 @@ class CheckpointManager:
             config = model_config_dict(self.model)
             if config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-            (tmp / TIED_FILE).write_text(json.dumps(_tied_aliases(self.model)))
+            (tmp / TIED_FILE).write_text(json.dumps(tied_aliases(self.model)))
             if self.scheduler is not None and not model_only:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / STATE_FILE)
@@ -335,7 +287,7 @@ class CheckpointManager:
         unless that was done already, then rank 0 writes model.safetensors."""
         if full is None:
             full = gather_full(shards, self._gather_group)
-            for alias in _tied_aliases(self.model):
+            for alias in tied_aliases(self.model):
                 full.pop(alias, None)
         if self.rank == 0:
             write_full_checkpoint(full, tmp, None)
@@ -507,7 +459,7 @@ class CheckpointManager:
                      if k.startswith("model.") and hasattr(v, "size")}
         else:
             saved = read_full_shapes(path)
-        tied = _tied_aliases(self.model)
+        tied = tied_aliases(self.model)
         for key, shape in expected.items():
             got = saved.get(key, saved.get(tied.get(key, ""), None))
             if got is None:
@@ -541,16 +493,3 @@ class CheckpointManager:
             optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
             dcp_load(optim, path / "optimizer")
             set_optimizer_state_dict(self.model, self.optimizer, optim["optimizer"])
-
-
-def _tied_aliases(model: nn.Module) -> dict[str, str]:
-    """name -> first name of the same parameter, for parameters reachable under several names."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        clean = name.replace("_checkpoint_wrapped_module.", "")
-        if id(param) in first:
-            aliases[clean] = first[id(param)]
-        else:
-            first[id(param)] = clean
-    return aliases

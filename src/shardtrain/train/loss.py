@@ -20,7 +20,7 @@ def is_causal_lm(model: nn.Module) -> bool:
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from shardtrain.checkpoint.manager import model_class_name
+    from shardtrain.checkpoint.model_state import model_class_name
 
     name = model_class_name(model)
     known = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in (v if isinstance(v, tuple) else (v,))}

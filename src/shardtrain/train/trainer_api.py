@@ -13,7 +13,7 @@ from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metr
 from transformers.trainer_utils import PredictionOutput, speed_metrics
 
 from shardtrain.checkpoint.full import write_full_checkpoint
-from shardtrain.checkpoint.manager import full_model_state, model_config_dict
+from shardtrain.checkpoint.model_state import full_model_state, model_config_dict
 from shardtrain.errors import UserError
 from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, passthrough
 from shardtrain.train.evaluation import EvalLoop

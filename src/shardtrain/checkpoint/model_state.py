@@ -1,0 +1,81 @@
+"""What a checkpoint stores besides files: the model's full state and config, RNG states, tied-weight aliases.
+
+Pure functions shared by the checkpoint manager, the async save path and `Trainer.save_model`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The model's own class name: `fully_shard` swaps the class for a generated `FSDP<Name>` subclass."""
+    cls = type(model)
+    if issubclass(cls, FSDPModule):
+        bases = [base for base in cls.__bases__ if base is not FSDPModule]
+        if bases and cls.__name__ == f"FSDP{bases[0].__name__}":
+            return bases[0].__name__
+    return cls.__name__
+
+
+def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
+    """The Hugging Face config of `model` as a dict, with `architectures` naming the model's class (what
+    `save_pretrained` records); None for plain modules."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_dict"):
+        return None
+    data = config.to_dict()
+    data["architectures"] = [model_class_name(model)]
+    return data
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model gathered on CPU on rank 0 (empty on other ranks); every rank must call it.
+
+    A tied weight appears once, under its first name (`from_pretrained` re-ties the others from the config).
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for alias in tied_aliases(model):
+        state.pop(alias, None)
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors (loadable with weights_only=True)."""
+    version, state, gauss = random.getstate()
+    _, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    out = {"python": torch.tensor(state, dtype=torch.int64), "python_version": version, "python_gauss": gauss,
+           "numpy": torch.from_numpy(np_keys.astype(np.int64)), "numpy_pos": int(np_pos),
+           "numpy_has_gauss": int(np_has_gauss), "numpy_gauss": float(np_gauss), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(saved: dict[str, Any]) -> None:
+    random.setstate((saved["python_version"], tuple(saved["python"].tolist()), saved["python_gauss"]))
+    np.random.set_state(("MT19937", saved["numpy"].numpy().astype(np.uint32), saved["numpy_pos"],
+                         saved["numpy_has_gauss"], saved["numpy_gauss"]))
+    torch.set_rng_state(saved["torch"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """name -> first name of the same parameter, for parameters reachable under several names."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        clean = name.replace("_checkpoint_wrapped_module.", "")
+        if id(param) in first:
+            aliases[clean] = first[id(param)]
+        else:
+            first[id(param)] = clean
+    return aliases
