@@ -64,6 +64,7 @@ from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
     tied_aliases,
 )
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
+from shardtrain.config import env
 from shardtrain.parallel.distributed import barrier
 
 # The checkpoint layout: one source of truth for every module that writes or reads it.
@@ -91,7 +92,7 @@ def checkpoint_kind(path: Path) -> str:
 def _fault_point(name: str, step: int) -> None:
     """Fault injection for the crash-safety tests: SHARDTRAIN_FAULT="<name>:<rank>:<step>" SIGKILLs that rank
     when it reaches `name` while saving `step`, on the first attempt only (not after a torchrun restart)."""
-    if os.environ.get("SHARDTRAIN_FAULT") == f"{name}:{dist.get_rank()}:{step}" and \
+    if os.environ.get(env.FAULT) == f"{name}:{dist.get_rank()}:{step}" and \
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -17,6 +17,7 @@ MIXED_PRECISION = "SHARDTRAIN_MIXED_PRECISION"  # no | bf16 | fp16
 CP_SIZE = "SHARDTRAIN_CP_SIZE"  # context-parallel size
 CPU = "SHARDTRAIN_CPU"  # true: CPU + gloo even when GPUs are visible
 FAULT = "SHARDTRAIN_FAULT"  # tests only: "<point>:<rank>:<step>" SIGKILLs that rank there
+EXIT_TIMEOUT = "SHARDTRAIN_EXIT_TIMEOUT"  # seconds a finished rank waits at exit for its peers (default 60)
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("", "0", "false", "no", "off")

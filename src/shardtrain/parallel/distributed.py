@@ -25,15 +25,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardtrain.config import env
+
 logger = logging.getLogger(__name__)
 
-EXIT_TIMEOUT_VAR = "SHARDTRAIN_EXIT_TIMEOUT"  # seconds a finished rank waits at exit for its peers (default 60)
+EXIT_TIMEOUT_VAR = env.EXIT_TIMEOUT
 _DEFAULT_EXIT_TIMEOUT_S = 60.0
 
 
 def device_type() -> str:
-    """"cuda" when a GPU is visible (and not disabled with SHARDTRAIN_CPU=1), else "cpu"."""
-    if os.environ.get("SHARDTRAIN_CPU", "0") not in ("", "0", "false") or not torch.cuda.is_available():
+    """"cuda" when a GPU is visible (and not disabled with SHARDTRAIN_CPU=1), else "cpu".
+
+    SHARDTRAIN_CPU takes the true/false words of `shardtrain.config.env` (so `SHARDTRAIN_CPU=False` means GPU).
+    """
+    if env.env_flag(env.CPU) or not torch.cuda.is_available():
         return "cpu"
     return "cuda"
 
