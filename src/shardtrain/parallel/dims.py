@@ -1,0 +1,156 @@
+"""`ParallelDims`: the sizes of every parallel dimension, validated once, and the device meshes named by purpose.
+
+    dims = ParallelDims.resolve(world_size=4, cp=2)            # dp_shard takes the rest: 2
+    meshes = dims.build("cpu")                                 # DeviceMesh (dp_replicate, dp_shard, cp, tp)
+    meshes.fsdp, meshes.batch, meshes.loss, meshes.cp          # what each consumer needs
+
+Ranks are laid out as torchtitan's: (dp_replicate, dp_shard, cp, tp), tp innermost, so the ranks of one
+context-parallel group are neighbours (on one node). Purposes:
+
+    batch  dp_replicate x dp_shard        ranks that see different samples (the batch plan, eval shares)
+    fsdp   (dp_replicate,) dp_shard x cp  what `fully_shard` shards dense parameters over (2-D under HSDP)
+    loss   batch x cp                     where (loss sum, token count) pairs are reduced
+    cp     cp                             sequence sharding and K/V gathering
+    tp     tp                             tensor-parallel layers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import UserError
+
+# Hugging Face / Accelerate ParallelismConfig names of the sizes, in the order they appear in error messages.
+SIZE_NAMES = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size")
+
+
+class ParallelDimsError(UserError, ValueError):
+    """Parallel sizes that do not fit the ranks; the message names the sizes and a fix."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelDims:
+    """Validated sizes; `dp_replicate * dp_shard * cp * tp == world_size`; `ep` divides `dp_shard * cp * tp`."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    ep: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, *, world_size: int, dp_replicate: int | None = None, dp_shard: int | None = None,
+                cp: int = 1, tp: int = 1, ep: int = 1, fsdp_config: FSDPConfig | None = None,
+                local_world_size: int | None = None) -> ParallelDims:
+        """Fill in the sizes that are not given and check that they multiply to `world_size`.
+
+        The data-parallel ranks (world / (cp * tp)) are split into replicate x shard by, in order: explicit
+        `dp_replicate`/`dp_shard` (a missing one takes the rest); the fsdp_config sharding strategy (no_shard:
+        replicate only; hybrid: shard over `dp_shard_size`, default the node's ranks / (cp * tp)); the fsdp_config
+        `dp_shard_size`; otherwise shard over all of them.
+
+        Raises:
+            ParallelDimsError: a size < 1, or sizes that do not multiply to the world size.
+        """
+        sizes = {"dp_replicate_size": dp_replicate, "dp_shard_size": dp_shard, "cp_size": cp, "tp_size": tp,
+                 "ep_size": ep}
+        for name, value in sizes.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ParallelDimsError(f"parallel size {name} = {value!r} must be an int >= 1")
+        given = ", ".join(f"{k}={v}" for k, v in sizes.items() if v not in (None, 1))
+        if world_size % (cp * tp):
+            raise ParallelDimsError(
+                f"cp_size x tp_size = {cp} x {tp} = {cp * tp} does not divide the {world_size} ranks; choose sizes "
+                f"whose product divides {world_size} (given: {given or 'defaults'})")
+        data = world_size // (cp * tp)
+        config = fsdp_config or FSDPConfig()
+        if dp_replicate is None and dp_shard is None:
+            if config.replicate_only:
+                dp_replicate, dp_shard = data, 1
+            elif config.hybrid:
+                node = (local_world_size or world_size) // (cp * tp)
+                dp_shard = config.dp_shard_size or max(node, 1)
+            elif config.dp_shard_size is not None:
+                dp_replicate, dp_shard = 1, config.dp_shard_size
+        if dp_shard is None:
+            dp_shard = data // (dp_replicate or 1)
+        if dp_replicate is None:
+            dp_replicate = data // dp_shard if data % dp_shard == 0 else 0
+        if dp_replicate * dp_shard * cp * tp != world_size:
+            raise ParallelDimsError(
+                f"parallel sizes dp_replicate {dp_replicate or '?'} x dp_shard {dp_shard} x cp {cp} x tp {tp} do not "
+                f"multiply to the {world_size} ranks (given: {given or 'defaults'}); leave dp_shard_size unset so "
+                f"that it takes the rest ({data} data-parallel ranks), use sharding_strategy 'hybrid_shard' to replicate "
+                f"across shard groups, or make the product {world_size}")
+        if (dp_shard * cp * tp) % ep:
+            raise ParallelDimsError(
+                f"ep_size = {ep} must divide dp_shard x cp x tp = {dp_shard * cp * tp} (experts are spread over "
+                f"those ranks); choose a divisor of {dp_shard * cp * tp}")
+        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=world_size)
+
+    @property
+    def batch_size(self) -> int:
+        """Ranks that see different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def grad_average_size(self) -> int:
+        """Ranks FSDP averages dense gradients over (replicate x shard x cp)."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    def rank_coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of global `rank` in the (dp_replicate, dp_shard, cp, tp) layout, plus its batch index."""
+        rest, tp = divmod(rank, self.tp)
+        rest, cp = divmod(rest, self.cp)
+        replicate, shard = divmod(rest, self.dp_shard)
+        return {"dp_replicate": replicate, "dp_shard": shard, "cp": cp, "tp": tp,
+                "batch": replicate * self.dp_shard + shard}
+
+    def describe(self) -> str:
+        parts = [f"{name} {size}" for name, size in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
+                                                      ("cp", self.cp), ("tp", self.tp), ("ep", self.ep))]
+        return " x ".join(parts) + f" = {self.world_size} ranks"
+
+    def build(self, device_type: str) -> Meshes:
+        """Create the world mesh and the flattened meshes of each purpose (collective: every rank calls it)."""
+        names = ("dp_replicate", "dp_shard", "cp", "tp")
+        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
+                                 mesh_dim_names=names)
+        batch = world["dp_replicate", "dp_shard"]._flatten("batch")
+        shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        fsdp = _hsdp_mesh(world, shard_cp) if self.dp_replicate > 1 else shard_cp
+        loss = world["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+        return Meshes(dims=self, world=world, batch=batch, fsdp=fsdp, loss=loss, cp=world["cp"], tp=world["tp"])
+
+
+def _hsdp_mesh(world: DeviceMesh, shard_cp: DeviceMesh) -> DeviceMesh:
+    """The 2-D (dp_replicate, dp_shard_cp) mesh FSDP uses for HSDP."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:  # torch >= 2.10: slicing a flattened dim from the root mesh is deprecated
+        return concatenate([world["dp_replicate"], shard_cp])
+    return world["dp_replicate", "dp_shard_cp"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Meshes:
+    """The device meshes of one `ParallelDims`, by purpose (see the module docstring)."""
+
+    dims: ParallelDims
+    world: DeviceMesh
+    batch: DeviceMesh
+    fsdp: DeviceMesh
+    loss: DeviceMesh
+    cp: DeviceMesh
+    tp: DeviceMesh
+
+    @property
+    def batch_rank(self) -> int:
+        return self.batch.get_local_rank()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.get_local_rank()
