@@ -36,3 +36,15 @@ def variable_length_dataset(n: int = 96, vocab: int = 64, min_len: int = 4, max_
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (n,), generator=gen).tolist()
     return [{"input_ids": torch.randint(1, vocab, (length,), generator=gen).tolist()} for length in lengths]
+
+
+def tiny_qwen2(seed: int = 0, sliding_window: int | None = 4):
+    """Qwen2 (grouped-query attention); with `sliding_window`, its second layer attends to the last 4 tokens only."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                         max_window_layers=1, attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config)

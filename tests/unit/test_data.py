@@ -8,8 +8,8 @@ from shardtrain.train.data import BatchPlan, PaddingCollator, PlaceholderDataset
 def _global_steps(n, batch, accum, world, seed=0, epoch=0):
     steps = []
     for rank in range(world):
-        plan = BatchPlan(num_samples=n, per_device_batch_size=batch, accumulation_steps=accum, world_size=world,
-                         rank=rank, seed=seed)
+        plan = BatchPlan(num_samples=n, per_device_batch_size=batch, accumulation_steps=accum, dp_size=world,
+                         dp_rank=rank, seed=seed)
         per_rank = list(StepBatchSampler(plan, epoch))
         for step in range(plan.steps_per_epoch):
             if len(steps) <= step:
@@ -29,14 +29,14 @@ def test_same_samples_per_step_for_every_split():
 
 
 def test_epochs_reshuffle_and_seed_matters():
-    plan = BatchPlan(num_samples=20, per_device_batch_size=4, accumulation_steps=1, world_size=1, rank=0, seed=1)
+    plan = BatchPlan(num_samples=20, per_device_batch_size=4, accumulation_steps=1, dp_size=1, dp_rank=0, seed=1)
     assert plan.permutation(0) != plan.permutation(1)
-    other = BatchPlan(num_samples=20, per_device_batch_size=4, accumulation_steps=1, world_size=1, rank=0, seed=2)
+    other = BatchPlan(num_samples=20, per_device_batch_size=4, accumulation_steps=1, dp_size=1, dp_rank=0, seed=2)
     assert plan.permutation(0) != other.permutation(0)
 
 
 def test_resume_position_continues_the_same_order():
-    plan = BatchPlan(num_samples=50, per_device_batch_size=3, accumulation_steps=2, world_size=2, rank=1, seed=5)
+    plan = BatchPlan(num_samples=50, per_device_batch_size=3, accumulation_steps=2, dp_size=2, dp_rank=1, seed=5)
     full = list(StepBatchSampler(plan, epoch=0))
     assert list(StepBatchSampler(plan, epoch=0, start_step=3)) == full[3 * 2:]
 
@@ -45,7 +45,7 @@ def test_short_tail_gets_placeholders_on_every_rank():
     # 10 samples, global batch 8: step 1 has 2 samples, so ranks 1..3 get a placeholder
     tails = []
     for rank in range(4):
-        plan = BatchPlan(num_samples=10, per_device_batch_size=2, accumulation_steps=1, world_size=4, rank=rank, seed=0)
+        plan = BatchPlan(num_samples=10, per_device_batch_size=2, accumulation_steps=1, dp_size=4, dp_rank=rank, seed=0)
         batches = list(StepBatchSampler(plan, 0))
         assert len(batches) == 2
         tails.append(batches[1])

@@ -195,7 +195,7 @@ def config_from_answers(answers: Answers, base: LaunchConfig | None = None) -> L
         config.fsdp_config = {"version": 2, **{key: answers[key] for key in _FSDP_KEYS if key not in unused}}
     if base is not None:
         config.max_restarts = base.max_restarts
-        config.use_parallelism_config, config.cp_size = base.use_parallelism_config, base.cp_size
+        config.use_parallelism_config, config.parallelism = base.use_parallelism_config, dict(base.parallelism)
     return config
 
 

@@ -14,7 +14,7 @@ from environment variables (the contract read by `TrainingArguments`):
     SHARDTRAIN_USE_FSDP=1            FSDP on (distributed_type FSDP, --fsdp or --fsdp_config); else unset
     SHARDTRAIN_FSDP_CONFIG={...}     JSON of the validated `FSDPConfig.to_dict()`; unset without FSDP
     SHARDTRAIN_MIXED_PRECISION=no    no | bf16 | fp16
-    SHARDTRAIN_CP_SIZE=2             only with --use_parallelism_config / a parallelism_config section
+    SHARDTRAIN_PARALLELISM={"cp_size": 2}   only with --use_parallelism_config / a parallelism_config section
     SHARDTRAIN_CPU=1                 with --cpu / use_cpu: true (otherwise left as it is)
     OMP_NUM_THREADS=1                when unset
 """
@@ -36,20 +36,21 @@ from shardtrain.config.launch_config import (
     DEFAULT_MULTI_NODE_PORT,
     LaunchConfig,
     LaunchConfigError,
-    as_int,
     load_launch_config,
     map_fsdp_config,
 )
+from shardtrain.config.parallelism import SIZE_KEYS, ParallelismError, read_parallelism, to_env
 
 ENV_USE_FSDP = env_names.USE_FSDP
 ENV_FSDP_CONFIG = env_names.FSDP_CONFIG
 ENV_MIXED_PRECISION = env_names.MIXED_PRECISION
-ENV_CP_SIZE = env_names.CP_SIZE
+ENV_PARALLELISM = env_names.PARALLELISM
 ENV_CPU = env_names.CPU
 
 _VALUE_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                 "rdzv_backend", "mixed_precision", "max_restarts")
-_OTHER_VALUE_FLAGS = ("config_file", "fsdp_config", "parallelism_config_cp_size")
+_PARALLELISM_FLAGS = tuple(f"parallelism_config_{k}" for k in (*SIZE_KEYS, "cp_comm_strategy"))
+_OTHER_VALUE_FLAGS = ("config_file", "fsdp_config", *_PARALLELISM_FLAGS)
 _FALSE_WORDS = ("false", "no", "0", "off")
 
 
@@ -84,8 +85,10 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fsdp_config", help="FSDP settings: path of a JSON file or inline JSON; replaces the "
                                          "config file's fsdp_config and turns FSDP on")
     p.add_argument("--max_restarts", help="restarts of the worker group after a failure (default 0)")
-    p.add_argument("--use_parallelism_config", action="store_true", help="use the parallelism config (cp)")
-    p.add_argument("--parallelism_config_cp_size", help="context-parallel size (--use_parallelism_config)")
+    p.add_argument("--use_parallelism_config", action="store_true",
+                   help="use the parallelism sizes (flags below, or the config file's parallelism_config)")
+    for flag in _PARALLELISM_FLAGS:
+        p.add_argument(f"--{flag}", help=f"{flag.removeprefix('parallelism_config_')} (--use_parallelism_config)")
     p.add_argument("--cpu", action="store_true", help="train on CPU (gloo) even when GPUs are visible")
     p.add_argument("--dry_run", action="store_true", help="print the plan as JSON and start nothing")
     p.add_argument("script", help="training script (.py)")
@@ -157,15 +160,18 @@ def _apply_flags(config: LaunchConfig, args: argparse.Namespace, warnings: list[
         config.fsdp_config.update(overrides)
     if args.use_parallelism_config:
         config.use_parallelism_config = True
-    if args.parallelism_config_cp_size is not None:
-        flag = "--parallelism_config_cp_size"
-        cp = as_int(flag[2:], args.parallelism_config_cp_size, flag, 1, "set it to an int >= 1")
+    given = {flag: getattr(args, flag) for flag in _PARALLELISM_FLAGS if getattr(args, flag) is not None}
+    if given:
+        try:
+            sizes, _ = read_parallelism(given, "flag")
+        except ParallelismError as err:
+            raise LaunchConfigError(str(err).replace("flag.", "--")) from err
         if config.use_parallelism_config:
-            config.cp_size = cp
+            config.parallelism.update(sizes)
         else:
-            warnings.append(f"{flag} {cp} is ignored: the parallelism config is off (no "
-                            f"--use_parallelism_config, no parallelism_config in the config file); "
-                            f"the cp size stays 1")
+            names = " ".join(f"--{flag} {value}" for flag, value in given.items())
+            warnings.append(f"{names} ignored: the parallelism config is off (no --use_parallelism_config, no "
+                            f"parallelism_config in the config file); every size stays at its default")
 
 
 def uses_fresh_worker_store(config: LaunchConfig) -> bool:
@@ -237,9 +243,9 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     else:
         unset += [ENV_USE_FSDP, ENV_FSDP_CONFIG]
     if config.use_parallelism_config:
-        env[ENV_CP_SIZE] = str(config.cp_size or 1)
+        env[ENV_PARALLELISM] = to_env(config.parallelism)
     else:
-        unset.append(ENV_CP_SIZE)
+        unset.append(ENV_PARALLELISM)
     if config.use_cpu:
         env[ENV_CPU] = true_word(True)
     if uses_fresh_worker_store(config):

@@ -14,7 +14,7 @@ from shardtrain.errors import UserError
 USE_FSDP = "SHARDTRAIN_USE_FSDP"  # true: FSDP on
 FSDP_CONFIG = "SHARDTRAIN_FSDP_CONFIG"  # JSON of the validated FSDPConfig.to_dict()
 MIXED_PRECISION = "SHARDTRAIN_MIXED_PRECISION"  # no | bf16 | fp16
-CP_SIZE = "SHARDTRAIN_CP_SIZE"  # context-parallel size
+PARALLELISM = "SHARDTRAIN_PARALLELISM"  # JSON: the parallel sizes (config/parallelism.py)
 CPU = "SHARDTRAIN_CPU"  # true: CPU + gloo even when GPUs are visible
 FAULT = "SHARDTRAIN_FAULT"  # tests only: "<point>:<rank>:<step>" SIGKILLs that rank there
 EXIT_TIMEOUT = "SHARDTRAIN_EXIT_TIMEOUT"  # seconds a finished rank waits at exit for its peers (default 60)

@@ -20,17 +20,16 @@ read our files too). Top-level keys that are mapped:
     max_restarts: 0                             # shardtrain only: torchrun restarts of the worker group
     fsdp_config: {fsdp_version: 2, ...}         # FSDPConfig keys, `fsdp_` prefix optional (fsdp_config.py)
     use_parallelism_config: false               # shardtrain only; a non-empty parallelism_config turns it on
-    parallelism_config: {parallelism_config_cp_size: 2}   # only cp_size is used
+    parallelism_config: {parallelism_config_cp_size: 2}   # sizes: see shardtrain/config/parallelism.py
 
 Accelerate keys that have no meaning here (`debug`, `downcast_bf16`, `tpu_env`, FSDP1 knobs such as
-`fsdp_backward_prefetch_policy`, parallelism sizes other than cp, ...) are accepted and named in one
+`fsdp_backward_prefetch_policy`, `parallelism_config_cp_backend`, ...) are accepted and named in one
 warning line. Any other key is an error that suggests the closest valid key. `fsdp_version: 1` is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -39,7 +38,10 @@ from typing import Any
 
 import yaml
 
+from shardtrain.config import values
 from shardtrain.config.fsdp_config import MIXED_PRECISIONS, SHARDING_STRATEGIES, FSDPConfig, FSDPConfigError
+from shardtrain.config.parallelism import ParallelismError, read_parallelism
+from shardtrain.config.values import closest
 from shardtrain.errors import UserError
 
 HOME_ENV = "SHARDTRAIN_HOME"
@@ -66,10 +68,6 @@ _IGNORED_FSDP = frozenset(  # FSDP1 knobs (without the fsdp_ prefix) that FSDP2 
     "backward_prefetch backward_prefetch_policy forward_prefetch sync_module_states use_orig_params "
     "limit_all_gathers activation_cpu_offload cpu_offload_pin_memory".split()
 )
-_PARALLELISM_IGNORED = frozenset(  # parallelism_config_* sizes other than cp_size
-    "dp_replicate_size dp_shard_size tp_size cp_backend cp_comm_strategy sp_size sp_backend sp_seq_length "
-    "sp_seq_length_is_variable sp_attn_implementation".split()
-)
 
 
 class LaunchConfigError(UserError, ValueError):
@@ -87,29 +85,17 @@ def default_config_path() -> Path:
 
 
 def _closest(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(candidates)}"
+    return closest(name, candidates)
 
 
 def as_bool(key: str, value: Any, where: str) -> bool:
     """Read a YAML/flag boolean (true/false/yes/no/1/0)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "yes", "y", "1", "on"):
-        return True
-    if text in ("false", "no", "n", "0", "off"):
-        return False
-    raise LaunchConfigError(f"{where}: key {key!r} got {value!r}; expected true or false")
+    return values.as_bool(f"{where}: key {key!r}", value, LaunchConfigError)
 
 
 def as_int(key: str, value: Any, where: str, minimum: int, fix: str) -> int:
     """Read an int >= `minimum`; `fix` tells the user what to set instead."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise LaunchConfigError(f"{where}: key {key!r} is {value!r}; {fix}")
-    return value
+    return values.as_int(f"{where}: key {key!r}", value, minimum, fix, LaunchConfigError)
 
 
 def _as_choice(key: str, value: Any, where: str, choices: tuple[str, ...] | frozenset[str]) -> str:
@@ -162,8 +148,8 @@ def validate_fsdp(fsdp: dict[str, Any], where: str) -> FSDPConfig:
 class LaunchConfig:
     """Resolved launch settings (see the module docstring for the YAML keys).
 
-    `fsdp_config` is in FSDPConfig key space (no `fsdp_` prefix); `cp_size` comes from
-    `parallelism_config`; `ignored` lists the keys that were read but have no effect.
+    `fsdp_config` is in FSDPConfig key space (no `fsdp_` prefix); `parallelism` holds the sizes set in
+    `parallelism_config` (SIZE_KEYS names); `ignored` lists the keys that were read but have no effect.
     """
 
     compute_environment: str = "LOCAL_MACHINE"
@@ -179,7 +165,7 @@ class LaunchConfig:
     max_restarts: int = 0
     fsdp_config: dict[str, Any] = field(default_factory=dict)
     use_parallelism_config: bool = False
-    cp_size: int | None = None
+    parallelism: dict[str, int] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
 
     @property
@@ -254,16 +240,12 @@ class LaunchConfig:
     def _set_parallelism(self, value: Any, where: str) -> None:
         if not isinstance(value, dict):
             raise LaunchConfigError(f"{where}: key 'parallelism_config' must be a mapping, got {value!r}")
-        valid = sorted({"cp_size"} | _PARALLELISM_IGNORED)
-        for key, item in value.items():
-            name = str(key).removeprefix("parallelism_config_")
-            if name == "cp_size":
-                self.cp_size = as_int("parallelism_config_cp_size", item, where, 1, "set it to an int >= 1")
-            elif name in _PARALLELISM_IGNORED:
-                self.ignored.append(f"parallelism_config.{key}")
-            else:
-                hint = _closest(name, valid)
-                raise LaunchConfigError(f"{where}: unknown key 'parallelism_config.{key}'{hint}")
+        try:
+            sizes, ignored = read_parallelism(value, f"{where}: parallelism_config")
+        except ParallelismError as err:
+            raise LaunchConfigError(str(err)) from err
+        self.parallelism.update(sizes)
+        self.ignored += [name.split(": ", 1)[-1] for name in ignored]
 
     def validate(self, where: str) -> FSDPConfig | None:
         """Check the settings together; return the validated FSDPConfig when FSDP is on.
@@ -282,10 +264,16 @@ class LaunchConfig:
         if machines > 1 and not self.main_process_ip:
             raise LaunchConfigError(f"{where}: num_machines is {machines} but main_process_ip is not set; "
                                     f"set it to the address of the machine with machine_rank 0")
-        if self.use_parallelism_config and procs % (self.cp_size or 1):
-            raise LaunchConfigError(f"{where}: parallelism_config_cp_size {self.cp_size} must divide "
-                                    f"num_processes {procs}")
         fsdp = validate_fsdp(self.fsdp_config, where) if (self.fsdp_config or self.use_fsdp) else None
+        if self.use_parallelism_config:
+            from shardtrain.parallel.dims import ParallelDims, ParallelDimsError
+
+            sizes = {k.removesuffix("_size"): v for k, v in self.parallelism.items()}
+            try:
+                ParallelDims.resolve(world_size=procs, fsdp_config=fsdp, local_world_size=self.nproc_per_node,
+                                     **sizes)
+            except ParallelDimsError as err:
+                raise LaunchConfigError(f"{where}: num_processes {procs}: {err}") from err
         return fsdp if self.use_fsdp else None
 
     def to_yaml_dict(self) -> dict[str, Any]:
@@ -303,7 +291,7 @@ class LaunchConfig:
         data["fsdp_config"] = fsdp
         if self.use_parallelism_config:
             data["use_parallelism_config"] = True
-            data["parallelism_config"] = {"parallelism_config_cp_size": self.cp_size or 1}
+            data["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in self.parallelism.items()}
         return data
 
 

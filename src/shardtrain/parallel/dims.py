@@ -84,8 +84,8 @@ class ParallelDims:
             raise ParallelDimsError(
                 f"parallel sizes dp_replicate {dp_replicate or '?'} x dp_shard {dp_shard} x cp {cp} x tp {tp} do not "
                 f"multiply to the {world_size} ranks (given: {given or 'defaults'}); leave dp_shard_size unset so "
-                f"that it takes the rest ({data} data-parallel ranks), use sharding_strategy 'hybrid_shard' to replicate "
-                f"across shard groups, or make the product {world_size}")
+                f"that it takes the rest ({data} data-parallel ranks), use sharding_strategy 'hybrid_shard' to "
+                f"replicate across shard groups, or make the product {world_size}")
         if (dp_shard * cp * tp) % ep:
             raise ParallelDimsError(
                 f"ep_size = {ep} must divide dp_shard x cp x tp = {dp_shard * cp * tp} (experts are spread over "

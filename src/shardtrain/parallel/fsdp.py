@@ -8,6 +8,7 @@ Order (as torchtitan's `parallelize_*`): activation checkpointing on each unit -
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ from torch.distributed.fsdp import (
 )
 
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
-from shardtrain.parallel.mesh import build_dp_mesh
+from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.distributed import current_device
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +182,8 @@ def apply_fsdp(
     Args:
         model: any module (Hugging Face models get `_no_split_modules` and `generate` support).
         fsdp_config: an `FSDPConfig`, dict or JSON path.
-        mesh: data-parallel mesh; default from the config (1-D shard, or 2-D replicate x shard).
+        mesh: the mesh to shard over (`ParallelDims(...).build(...).fsdp`); default: every rank, as the
+            config's sharding strategy says (1-D shard, or 2-D replicate x shard).
         mixed_precision: "bf16"/"fp16" overrides the config's `mixed_precision`.
 
     Raises:
@@ -193,7 +196,10 @@ def apply_fsdp(
         return apply_xla_fsdp(model, config)
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp needs a process group: call shardtrain.init_distributed() first")
-    mesh = mesh if mesh is not None else build_dp_mesh(config)
+    if mesh is None:  # data parallel over every rank, as the config's sharding strategy says
+        dims = ParallelDims.resolve(world_size=dist.get_world_size(), fsdp_config=config,
+                                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        mesh = dims.build(current_device().type).fsdp
     precision = mixed_precision or config.mixed_precision
     mp_policy = MixedPrecisionPolicy()
     if precision in _DTYPES:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import transformers
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.fsdp import apply_fsdp
@@ -30,7 +31,8 @@ def _model_class(path: Path) -> type:
 
 
 def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | dict | None, *, model_class: type | None = None,
-                    mixed_precision: str | None = None, device: torch.device | None = None) -> nn.Module:
+                    mixed_precision: str | None = None, device: torch.device | None = None,
+                    mesh: DeviceMesh | None = None) -> nn.Module:
     """Load `path` (config.json + weights) and shard it with FSDP2 (`fsdp_config` None: no sharding).
 
     Args:
@@ -39,6 +41,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | dict | None, *, 
         model_class: the class to instantiate; default from `config.json`'s `architectures`.
         mixed_precision: passed on to `apply_fsdp`.
         device: where parameters live (default CPU).
+        mesh: the mesh to shard over (default: `apply_fsdp`'s, from the config).
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -48,7 +51,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | dict | None, *, 
     config = FSDPConfig.load(fsdp_config) if fsdp_config is not None else None
     if config is None or not config.cpu_ram_efficient_loading:
         model = cls.from_pretrained(str(path), dtype=torch.float32).to(device)
-        return apply_fsdp(model, config, mixed_precision=mixed_precision) if config is not None else model
+        return apply_fsdp(model, config, mesh, mixed_precision=mixed_precision) if config is not None else model
 
     rank = dist.get_rank()
     if rank == 0:
@@ -59,7 +62,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | dict | None, *, 
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.float32)
         full_state = {}
-    apply_fsdp(model, config, mixed_precision=mixed_precision)
+    apply_fsdp(model, config, mesh, mixed_precision=mixed_precision)
     if rank != 0:
         model.to_empty(device=device)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,

@@ -109,13 +109,15 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
     disable_tqdm: bool | None = None
     use_cpu: bool = False
     ddp_timeout: int = 1800
+    parallelism_config: Any = None
     # shardtrain's own
     cp_size: int | None = None
     sp_size: int = 1
-    tp_size: int = 1
-    ep_size: int = 1
+    tp_size: int | None = None
+    ep_size: int | None = None
     save_async: bool = False
     fsdp_enabled: bool = field(init=False, default=False)
+    parallel_sizes: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         install_error_hook()  # a bad argument is one `error:` line, not a traceback
@@ -195,8 +197,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         if not isinstance(self.output_dir, str | os.PathLike) or not str(self.output_dir):
             self._fail("output_dir", f"must be a directory path, got {self.output_dir!r}")
         self.output_dir = str(self.output_dir)
-        if self.cp_size is None:
-            self.cp_size = 1 if not os.environ.get(env.CP_SIZE) else self._cp_from_env()
+        self._resolve_parallelism()
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "cp_size", "sp_size", "tp_size", "ep_size"):
             value = getattr(self, name)
@@ -230,11 +231,28 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
                                                    or self.save_total_limit < 1):
             self._fail("save_total_limit", f"must be None or an int >= 1, got {self.save_total_limit!r}")
 
-    def _cp_from_env(self) -> int:
-        raw = os.environ[env.CP_SIZE]
-        if not raw.isdigit() or int(raw) < 1:
-            self._fail("cp_size", f"comes from {env.CP_SIZE}={raw!r}, which is not an int >= 1")
-        return int(raw)
+    def _resolve_parallelism(self) -> None:
+        """`parallel_sizes` from, key by key: `cp_size`/`tp_size`/`ep_size` or `parallelism_config` (the script),
+        else the launcher's SHARDTRAIN_PARALLELISM; the script wins. Unset sizes are left to ParallelDims."""
+        from shardtrain.config.parallelism import ParallelismError, from_env, read_parallelism
+
+        try:
+            script, _ = read_parallelism(self.parallelism_config, "TrainingArguments.parallelism_config")
+            launcher = from_env()
+        except ParallelismError as err:
+            raise TrainingArgumentsError(str(err)) from err
+        for name in ("cp_size", "tp_size", "ep_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                self._fail(name, f"must be a positive int, got {value!r}")
+            if script.get(name, value) != value:
+                self._fail(name, f"= {value} but parallelism_config.{name} = {script[name]}; set only one of them")
+            script[name] = value
+        self.parallel_sizes = {**launcher, **script}
+        for name in ("cp_size", "tp_size", "ep_size"):
+            setattr(self, name, self.parallel_sizes.get(name, 1))
 
     def _check_choices(self) -> None:
         self.lr_scheduler_type = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
@@ -303,10 +321,13 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         if self.cp_size > 1 and self.sp_size > 1:
             self._fail("cp_size", f"= {self.cp_size} and sp_size = {self.sp_size} are both > 1; choose context "
                        "parallelism or Ulysses sequence parallelism, not both")
-        for name in ("cp_size", "sp_size", "tp_size", "ep_size"):
+        for name in ("sp_size", "tp_size", "ep_size"):
             if getattr(self, name) > 1:
                 self._fail(name, f"= {getattr(self, name)} is not supported by this version of shardtrain yet "
-                           "(data-parallel FSDP2 only); set it to 1")
+                           "(data and context parallelism only); set it to 1")
+        if self.cp_size > 1 and not self.fsdp_enabled:
+            self._fail("cp_size", f"= {self.cp_size} needs FSDP (context parallelism shards the model over the cp "
+                       "ranks too); set fsdp=True or start with shardtrain launch --fsdp")
         if self.save_only_model and self.fsdp_enabled and config.state_dict_type == "SHARDED_STATE_DICT":
             self._fail("save_only_model", "cannot be used with fsdp_config 'state_dict_type': SHARDED_STATE_DICT "
                        "(a sharded checkpoint without optimizer state cannot resume); use FULL_STATE_DICT or "
@@ -343,7 +364,8 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
 IMPLEMENTED = {f.name for f in dataclasses.fields(_ImplementedArguments) if f.init}
 OURS = {"cp_size", "sp_size", "tp_size", "ep_size", "save_async"}
 NOTES = {
-    "cp_size": "context-parallel size (refused above 1 until context parallelism lands)",
+    "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see README)",
+    "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp sizes",
     "sp_size": "Ulysses sequence-parallel size (refused above 1)",
     "tp_size": "tensor-parallel size (refused above 1 until tensor parallelism lands)",
     "ep_size": "expert-parallel size (refused above 1 until expert parallelism lands)",

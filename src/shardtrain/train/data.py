@@ -1,8 +1,9 @@
 """Resumable distributed batching whose global batches do not depend on how they are split.
 
 Each epoch has one seeded permutation of the dataset. Step `s` uses the contiguous global chunk
-`perm[s*G:(s+1)*G]` (G = per-device batch x accumulation x data-parallel ranks); micro-step `m` of that chunk
-goes to ranks in contiguous slices. So 1 rank x 8, 2 ranks x 4 and 2 ranks x 2 x accumulation 2 see the same
+`perm[s*G:(s+1)*G]` (G = per-device batch x accumulation x data-parallel ranks; the context-parallel ranks
+of one group load the same samples and split each sequence); micro-step `m` of that chunk goes to ranks in
+contiguous slices. So 1 rank x 8, 2 ranks x 4 and 2 ranks x 2 x accumulation 2 see the same
 samples at every step, and a resume (on any world size with the same G) starts at exactly the next step.
 Nothing is dropped: where the last chunk runs short a rank gets a placeholder sample (index < 0) whose labels
 are all ignored, so every rank runs the same number of forward passes.
@@ -38,14 +39,14 @@ class BatchPlan:
     num_samples: int
     per_device_batch_size: int
     accumulation_steps: int
-    world_size: int
-    rank: int
+    dp_size: int  # ranks that see different samples (the `batch` mesh); context-parallel ranks share theirs
+    dp_rank: int
     seed: int
     shuffle: bool = True
 
     @property
     def global_batch_size(self) -> int:
-        return self.per_device_batch_size * self.accumulation_steps * self.world_size
+        return self.per_device_batch_size * self.accumulation_steps * self.dp_size
 
     @property
     def steps_per_epoch(self) -> int:
@@ -60,13 +61,13 @@ class BatchPlan:
     def micro_batches(self, perm: Sequence[int], step: int, epoch: int = 0) -> list[SeededIndices]:
         """This rank's `accumulation_steps` index lists for `step` (placeholders are < 0), each with its seed."""
         chunk = perm[step * self.global_batch_size:(step + 1) * self.global_batch_size]
-        per_micro = self.per_device_batch_size * self.world_size
+        per_micro = self.per_device_batch_size * self.dp_size
         out = []
         for micro in range(self.accumulation_steps):
-            start = micro * per_micro + self.rank * self.per_device_batch_size
+            start = micro * per_micro + self.dp_rank * self.per_device_batch_size
             indices = list(chunk[start:start + self.per_device_batch_size])
             out.append(SeededIndices(indices or [-1], seed=derive_seed(self.seed, "train", epoch, step, micro,
-                                                                       self.rank)))
+                                                                       self.dp_rank)))
         return out
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from transformers import EvalPrediction
 from transformers.trainer_utils import PredictionOutput
 
+from shardtrain.parallel.context import SHARD_KWARG, ContextParallel
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data import IGNORE_INDEX, CollatingDataset, SeededIndices, derive_seed
 from shardtrain.train.loss import LossComputer
@@ -31,20 +32,27 @@ def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
 
 
 class EvalLoop:
-    """Rank r evaluates the r-th contiguous block of the dataset; short blocks get ignored placeholders so
-    every rank runs the same number of forward passes (FSDP's collectives need that)."""
+    """Data-parallel rank r evaluates the r-th contiguous block of the dataset; short blocks get ignored
+    placeholders so every rank runs the same number of forward passes (FSDP's collectives need that).
 
-    def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, rank: int,
-                 world_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
-                 on_step: Callable[[], None] | None = None) -> None:
+    Under context parallelism the ranks of a cp group evaluate the same block, each its part of every sequence;
+    losses add up over all ranks, and logits are gathered back to full length before predictions are collected
+    (by the first rank of each cp group).
+    """
+
+    def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, dp_rank: int,
+                 dp_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
+                 on_step: Callable[[], None] | None = None, cp: ContextParallel | None = None,
+                 prepare: Callable[[dict], dict] | None = None) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
-        self.rank, self.world_size, self.device, self.preprocess = rank, world_size, device, preprocess
+        self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
+        self.cp, self.prepare = cp, prepare  # prepare: the Trainer's collated batch -> model inputs
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
-        per_rank = math.ceil(len(dataset) / self.world_size)
-        start = self.rank * per_rank
+        per_rank = math.ceil(len(dataset) / self.dp_size)
+        start = self.dp_rank * per_rank
         mine = list(range(start, min(len(dataset), start + per_rank)))
         steps = max(1, math.ceil(per_rank / self.batch_size))
         mine += [-1] * (steps * self.batch_size - len(mine))
@@ -58,15 +66,18 @@ class EvalLoop:
             for step in range(steps):
                 indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
                 # collated under its own seed: a collator that draws random numbers leaves dropout's RNG alone
-                seeded = SeededIndices(indices, derive_seed(self.seed, "eval", step, self.rank))
+                seeded = SeededIndices(indices, derive_seed(self.seed, "eval", step, self.dp_rank))
                 batch = {k: v.to(self.device) for k, v in data.__getitems__(seeded).items()}
+                inputs = self.prepare(batch) if self.prepare is not None else batch
                 if "labels" in batch:
-                    loss_sum, logits = self.loss.forward(batch)
+                    loss_sum, logits = self.loss.forward(inputs)
                     totals[0] += loss_sum.double()
-                    totals[1] += self.loss.items(batch["labels"]).double()
+                    totals[1] += self.loss.items(inputs).double()
                 else:  # predict() on data without labels: predictions only, no loss
-                    logits = self.loss.logits(batch)
-                if with_predictions and logits is not None:
+                    logits = self.loss.logits(inputs)
+                if self.cp is not None and logits is not None and with_predictions:
+                    logits = self.cp.gather_sequence(logits, inputs[SHARD_KWARG])
+                if with_predictions and logits is not None and (self.cp is None or self.cp.rank == 0):
                     self._collect(indices, batch, logits, preds, labels)
                 if self.on_step is not None:
                     self.on_step()
@@ -76,7 +87,7 @@ class EvalLoop:
         metrics = {f"{prefix}_loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
         predictions = label_ids = None
         if with_predictions:
-            gathered: list[Any] = [None] * self.world_size
+            gathered: list[Any] = [None] * dist.get_world_size()  # in rank order: cp groups in data order
             dist.all_gather_object(gathered, (preds, labels))
             predictions = _stack_padded([p for rank_preds, _ in gathered for p in rank_preds])
             label_ids = _stack_padded([label for _, rank_labels in gathered for label in rank_labels]) \

@@ -32,7 +32,6 @@ REFUSED: dict[str, str] = {
     "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
     "train_sampling_strategy": "samples are shuffled once per epoch ('random' only)",
     "optim_target_modules": "only the AdamW optimizers are available",
-    "parallelism_config": "use cp_size / tp_size (parallelism beyond data parallel is being built)",
 }
 
 # Accepted and ignored, with the reason given in the warning and the README table.

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.train.data import IGNORE_INDEX
 
 
@@ -37,6 +38,18 @@ def _logits(outputs) -> torch.Tensor | None:
     return logits
 
 
+LABEL_KEYS = ("labels", "shift_labels")
+
+
+def _input_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    shard = batch.get(SHARD_KWARG)
+    if shard is not None:  # context parallelism: this rank's real tokens of the split sequences
+        return shard.local_tokens
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    return torch.tensor(batch["input_ids"].numel())
+
+
 class LossComputer:
     """Computes the summed loss of a batch and the number of items it is summed over.
 
@@ -49,16 +62,24 @@ class LossComputer:
         self.shift_labels = is_causal_lm(model)
         self.bf16_autocast = bf16_autocast
 
-    def items(self, labels: torch.Tensor) -> torch.Tensor:
+    def targets(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The labels aligned with the logits: `shift_labels` when the batch has them (context parallelism
+        shifts before splitting), else `labels`, shifted here for causal LMs."""
+        if "shift_labels" in batch:
+            return batch["shift_labels"]
+        labels = batch["labels"]
         if labels.dim() > 1 and self.shift_labels:
-            labels = labels[:, 1:]
-        return (labels != IGNORE_INDEX).sum()
+            return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        return labels
 
-    def local_counts(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def items(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Target tokens (or samples) of `batch` that the loss is summed over."""
+        return (self.targets(batch) != IGNORE_INDEX).sum()
+
+    def local_counts(self, batches: list[dict[str, Any]]) -> torch.Tensor:
         """(target tokens, input tokens) of this rank's micro-batches, float64 on the device, not reduced."""
-        targets = sum(self.items(batch["labels"]) for batch in batches)
-        inputs = sum(batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
-                     for batch in batches)
+        targets = sum(self.items(batch) for batch in batches)
+        inputs = sum(_input_tokens(batch) for batch in batches)
         return torch.stack([torch.as_tensor(targets), torch.as_tensor(inputs)]).to(self.device, torch.float64)
 
     def _autocast(self):
@@ -68,21 +89,20 @@ class LossComputer:
 
     def compute(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         """(summed loss, the model's outputs)."""
-        labels = batch["labels"]
+        labels = self.targets(batch)
         with self._autocast():
-            outputs = self.model(**{k: v for k, v in batch.items() if k != "labels"})
+            outputs = self.model(**{k: v for k, v in batch.items() if k not in LABEL_KEYS})
         logits = _logits(outputs)
         if logits is None:  # a module that computes its own (mean) loss
             with self._autocast():
                 outputs = self.model(**batch)
-            return outputs["loss"] * self.items(labels), outputs
+            return outputs["loss"] * self.items(batch), outputs
         if labels.dim() == 1:
             config = getattr(self.model, "config", None)
             if config is not None and getattr(config, "problem_type", "") is None:
                 config.problem_type = "single_label_classification"  # what the model itself would record
             return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"), outputs
-        if self.shift_labels:  # shift the labels, not the logits: no copy of the logits, no padded grad
-            labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        # `targets` shifted the labels, not the logits: no copy of the logits, no padded grad
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, outputs

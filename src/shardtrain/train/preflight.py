@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, CheckpointManager
+from shardtrain.train.arguments import TrainingArgumentsError
 from shardtrain.train.validation import DataError, ModelLimits, validate_dataset
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker; > 0 after a restart
@@ -85,6 +86,11 @@ class PreflightMixin:
         if args.load_best_model_at_end and self.eval_dataset is None:
             raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
                             "checkpoint; pass Trainer(..., eval_dataset=...)")
+        if self.cp is not None and self._custom_loss:
+            raise TrainingArgumentsError(
+                f"cp_size = {self.dims.cp} with a custom compute_loss / compute_loss_func: under context parallelism "
+                "each rank holds part of every sequence and gets labels already shifted (batch key 'shift_labels'), "
+                "which a loss written for whole sequences would get wrong; use the default loss or cp_size 1")
         limits = ModelLimits.of(self.model, self.loss.shift_labels)
         validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
                          check_samples=self._validate_samples, need_targets=True, device=self.device)

@@ -31,6 +31,8 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.errors import install_error_hook
+from shardtrain.parallel.context import ContextParallel
+from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.loading import load_pretrained
@@ -98,6 +100,13 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         init_distributed(timeout_s=args.ddp_timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
+        self.dims = ParallelDims.resolve(
+            world_size=self.world_size, fsdp_config=args.fsdp_config if args.fsdp_enabled else None,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)),
+            **{name.removesuffix("_size"): size for name, size in args.parallel_sizes.items()})
+        self.meshes = self.dims.build(self.device.type)
+        self.dp_rank = self.dims.rank_coords(self.rank)["batch"]  # which samples this rank sees
+        self.cp = ContextParallel(self.meshes.cp) if self.dims.cp > 1 else None
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
         if model is None:
@@ -136,15 +145,18 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         args = self.args
         config = args.fsdp_config
         if isinstance(model, str | os.PathLike):
-            return load_pretrained(model, config if args.fsdp_enabled else None,
-                                   mixed_precision=args.mixed_precision, device=self.device)
+            model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
+                                    mixed_precision=args.mixed_precision, device=self.device)
+            self._enable_context_parallel(model)
+            return model
+        self._enable_context_parallel(model)
         if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             kwargs = {"use_reentrant": False, **args.gradient_checkpointing_kwargs}
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if args.fsdp_enabled:
             if not isinstance(model, FSDPModule):
                 model.to(self.device)
-                apply_fsdp(model, config, mixed_precision=args.mixed_precision)
+                apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision)
             return model
         model.to(self.device)
         if self.world_size > 1:
@@ -152,6 +164,26 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                 f"Trainer runs on {self.world_size} ranks but fsdp is off; set TrainingArguments(fsdp=True) "
                 "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
         return model
+
+    def _enable_context_parallel(self, model: nn.Module) -> None:
+        if self.cp is None:
+            return
+        if not is_causal_lm(model):
+            raise TrainingArgumentsError(
+                f"cp_size = {self.dims.cp}: context parallelism splits the sequences of causal language models; "
+                f"{type(model).__name__} is not one (its outputs depend on the whole sequence); set cp_size to 1")
+        self.cp.enable(model)
+
+    def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:
+        """A collated batch as the model gets it: on the device, with labels (`add_labels`: a causal LM batch
+        without labels learns every token); split over `cp` under context parallelism."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        if add_labels:
+            batch = self.loss.with_labels(batch)
+        if self.cp is None:
+            return batch
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        return self.cp.shard(batch, shift_labels=self.loss.shift_labels, pad_token_id=pad or 0)
 
     def _default_collator(self) -> Callable:
         if hasattr(self.processing_class, "pad"):  # a tokenizer: Hugging Face's default
@@ -195,13 +227,13 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
     def _plan(self) -> BatchPlan:
         args = self.args
         return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=args.per_device_train_batch_size,
-                         accumulation_steps=args.gradient_accumulation_steps, world_size=self.world_size,
-                         rank=self.rank, seed=args.seed if args.data_seed is None else args.data_seed)
+                         accumulation_steps=args.gradient_accumulation_steps, dp_size=self.dims.batch_size,
+                         dp_rank=self.dp_rank, seed=args.seed if args.data_seed is None else args.data_seed)
 
     def _loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
         # Its own generator: creating the iterator must not draw from the global RNG that dropout uses, or a
         # resumed run (which creates one more iterator) would drop out different units.
-        generator = torch.Generator().manual_seed(derive_seed(self.args.seed, "loader", epoch, self.rank))
+        generator = torch.Generator().manual_seed(derive_seed(self.args.seed, "loader", epoch, self.dp_rank))
         workers = self.args.dataloader_num_workers
         return DataLoader(CollatingDataset(self.train_dataset, self.data_collator),
                           batch_sampler=StepBatchSampler(plan, epoch, start_step), collate_fn=passthrough,
@@ -313,7 +345,7 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         else:
             loss_sum, outputs = self.loss.compute(inputs)
-            count = num_items_in_batch if num_items_in_batch is not None else self.loss.items(inputs["labels"])
+            count = num_items_in_batch if num_items_in_batch is not None else self.loss.items(inputs)
             loss = loss_sum / count
         return (loss, outputs) if return_outputs else loss
 
@@ -324,13 +356,13 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             (local sum of token losses, global number of target tokens, total grad norm); the global number
             of input tokens is added to `state.num_input_tokens_seen`.
         """
-        batches = [self.loss.with_labels({k: v.to(self.device) for k, v in b.items()}) for b in batches]
+        batches = [self._model_inputs(b) for b in batches]
         # The backward pass needs a scale that is the same on every rank and known without communication:
         # 1 / (global batch in samples). The exact 1 / (global target tokens) is applied afterwards by
         # `normalize_and_clip_grads`, whose one all-reduce carries the token counts with the gradient norm.
         global_samples = max(self.state.global_batch_size, 1)
         fsdp = isinstance(self.model, FSDPModule)
-        custom = type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None
+        custom = self._custom_loss
         num_items = None
         if custom:  # Hugging Face's contract: the global target-token count before the forward
             num_items = self.loss.local_counts(batches)[0].clone()
@@ -348,8 +380,9 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             loss_sum += micro_sum.detach().float()
             if index < len(batches) - 1:
                 self._fire("on_substep_end")
-        # FSDP averages gradients over the data-parallel ranks (all ranks of the default group).
-        divisor = global_samples * (self.world_size if fsdp else 1)
+        # FSDP averages gradients over its ranks (replicate x shard x cp). The token counts of the ranks add up to
+        # the global ones: each context-parallel rank counts the targets of its part of the sequences only.
+        divisor = global_samples * (self.dims.grad_average_size if fsdp else 1)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), self.loss.local_counts(batches),
                                                      divisor, self.args.max_grad_norm, self.world_size)
         tokens, input_tokens = (int(c) for c in counts.tolist())
@@ -366,6 +399,10 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self.state.num_input_tokens_seen += input_tokens
         self.state.total_flos += 6.0 * self._flop_params() * input_tokens
         return loss_sum, tokens, grad_norm
+
+    @property
+    def _custom_loss(self) -> bool:
+        return type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None
 
     def _flop_params(self) -> int:
         """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""

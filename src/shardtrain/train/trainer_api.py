@@ -89,10 +89,11 @@ class TrainerAPIMixin:
             self._validated.add(id(dataset))
         start = time.time()
         loop = EvalLoop(self.model, self.loss, self.data_collator, self.args.per_device_eval_batch_size,
-                        self.rank, self.world_size, self.device, self.preprocess_logits_for_metrics,
-                        seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"))
+                        self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
+                        seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"), cp=self.cp,
+                        prepare=lambda batch: self._model_inputs(batch, add_labels=False))
         output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
-        steps = -(-len(dataset) // (self.args.per_device_eval_batch_size * self.world_size))
+        steps = -(-len(dataset) // (self.args.per_device_eval_batch_size * self.dims.batch_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
@@ -115,8 +116,8 @@ class TrainerAPIMixin:
     def _share_loader(self, dataset: Any) -> DataLoader:
         if dataset is None:
             raise DataError("a dataloader needs a dataset")
-        per_rank = -(-len(dataset) // self.world_size)
-        indices = list(range(self.rank * per_rank, min(len(dataset), (self.rank + 1) * per_rank)))
+        per_rank = -(-len(dataset) // self.dims.batch_size)
+        indices = list(range(self.dp_rank * per_rank, min(len(dataset), (self.dp_rank + 1) * per_rank)))
         size = self.args.per_device_eval_batch_size
         batches = [indices[i:i + size] for i in range(0, len(indices), size)]
         sampler = _FixedBatches(batches, self.args.seed)

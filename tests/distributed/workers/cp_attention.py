@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tiny_models import tiny_llama
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_models import tiny_llama, tiny_qwen2
 
 from shardtrain.parallel.context import ContextParallel, CPShard, cp_attention
 from shardtrain.parallel.dims import ParallelDims
@@ -75,14 +74,6 @@ def attention_cases(cp: ContextParallel) -> list[dict]:
     return out
 
 
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         use_sliding_window=True, sliding_window=4, max_window_layers=1, attn_implementation="sdpa")
-    return Qwen2ForCausalLM(config)
-
-
 def model_cases(cp: ContextParallel) -> list[dict]:
     out = []
     gen = torch.Generator().manual_seed(3)
@@ -110,7 +101,7 @@ def model_cases(cp: ContextParallel) -> list[dict]:
         total = loss.detach().clone()
         dist.all_reduce(total)
         grad_diff = 0.0
-        for (pname, p), ref_p in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        for p, ref_p in zip(model.parameters(), ref_model.parameters(), strict=True):
             grad = p.grad.clone()
             dist.all_reduce(grad)
             grad_diff = max(grad_diff, (grad - ref_p.grad).abs().max().item())

@@ -8,8 +8,10 @@ everything from disk), which saves a process start per job. Keys besides Trainin
 "probe" (the final model's logits on a fixed batch go to OUT/probe.pt), "random_collator" (a collator that
 masks 20 % of the input tokens at random), "checkpoint_fault" (a dict, for save_async tests: "delay_s" starts
 the background writes of every save that much later, so training runs on while they are pending;
-"fail_step": rank 0's write of model.safetensors in that step's save raises ENOSPC). Rank 0 writes
-OUT/result.json.
+"fail_step": rank 0's write of model.safetensors in that step's save raises ENOSPC), "weights" (the final
+full state dict goes to OUT/weights.pt), "predict" (predict() on the eval set, with a token-accuracy
+compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and predict the fresh model).
+Rank 0 writes OUT/result.json.
 """
 
 import errno
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from tiny_models import tiny_gpt2, tiny_llama, variable_length_dataset
+from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen2, variable_length_dataset
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
 from shardtrain.train.data import PaddingCollator
@@ -49,6 +51,8 @@ def build(name: str):
         return model, data
     if name == "gpt2":
         return tiny_gpt2(dropout=0.1), None
+    if name == "qwen2":
+        return tiny_qwen2(), None
     return tiny_llama(tie=name == "llama_tied"), None
 
 
@@ -90,12 +94,22 @@ def inject_checkpoint_fault(delay_s: float = 0.0, fail_step: int | None = None):
     return restore
 
 
+def token_accuracy(prediction) -> dict:
+    """Next-token accuracy over the labelled positions (predictions: logits, labels unshifted)."""
+    logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    guess, target = logits[:, :-1].argmax(-1), labels[:, 1:]
+    keep = target != -100
+    return {"accuracy": (guess[keep] == target[keep]).float().mean().item(),
+            "logit_sum": logits.double()[torch.isfinite(logits.double())].sum().item()}
+
+
 def run_job(knobs: dict) -> None:
     out = Path(knobs.pop("out"))
     model, data = build(knobs.pop("model", "llama"))
     data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96))
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
+    weights, predict, eval_only = knobs.pop("weights", False), knobs.pop("predict", False), knobs.pop("eval_only", False)
     collator = RandomMaskCollator() if knobs.pop("random_collator", False) else None
     restore = inject_checkpoint_fault(**knobs.pop("checkpoint_fault")) if "checkpoint_fault" in knobs else None
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
@@ -103,14 +117,26 @@ def run_job(knobs: dict) -> None:
     args = TrainingArguments(output_dir=str(out), **{**defaults, **knobs})
     callbacks = [StopAfter(stop_after)] if stop_after else []
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
-                      data_collator=collator)
+                      data_collator=collator, compute_metrics=token_accuracy if predict else None)
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        if not eval_only:
+            trainer.train(resume_from_checkpoint=resume)
         state = trainer.state
     finally:
         if restore is not None:
             restore()
     metrics = trainer.evaluate()
+    if predict:
+        output = trainer.predict(data[:20])
+        if trainer.rank == 0:
+            torch.save({"predictions": torch.from_numpy(output.predictions),
+                        "label_ids": torch.from_numpy(output.label_ids), "metrics": output.metrics}, out / "predict.pt")
+    if weights:
+        from shardtrain.checkpoint.model_state import full_model_state
+
+        state_dict = full_model_state(trainer.model)
+        if trainer.rank == 0:
+            torch.save(state_dict, out / "weights.pt")
     if save_model:
         trainer.save_model(save_model)
     if probe:
@@ -126,7 +152,8 @@ def run_job(knobs: dict) -> None:
         (out / "result.json").write_text(json.dumps({
             "steps": [e["step"] for e in train_logs], "losses": [e["loss"] for e in train_logs],
             "grad_norms": [e["grad_norm"] for e in train_logs], "lrs": [e["learning_rate"] for e in train_logs],
-            "eval_loss": metrics["eval_loss"], "global_step": state.global_step}))
+            "eval_loss": metrics["eval_loss"], "global_step": state.global_step,
+            "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))}}))
 
 
 def main() -> None:

@@ -27,8 +27,8 @@ def reference(model: torch.nn.Module, data: list) -> tuple[torch.nn.Module, list
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR)
-    plan = BatchPlan(num_samples=len(data), per_device_batch_size=BATCH, accumulation_steps=ACCUM, world_size=1,
-                     rank=0, seed=42)
+    plan = BatchPlan(num_samples=len(data), per_device_batch_size=BATCH, accumulation_steps=ACCUM, dp_size=1,
+                     dp_rank=0, seed=42)
     collate, norms = PaddingCollator(pad_token_id=0), []
     for step in range(STEPS):
         batches = [collate([data[i] for i in idx]) for idx in plan.micro_batches(plan.permutation(0), step)]
