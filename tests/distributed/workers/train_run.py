@@ -109,7 +109,8 @@ def run_job(knobs: dict) -> None:
     data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96))
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
-    weights, predict, eval_only = knobs.pop("weights", False), knobs.pop("predict", False), knobs.pop("eval_only", False)
+    weights, predict = knobs.pop("weights", False), knobs.pop("predict", False)
+    eval_only = knobs.pop("eval_only", False)
     collator = RandomMaskCollator() if knobs.pop("random_collator", False) else None
     restore = inject_checkpoint_fault(**knobs.pop("checkpoint_fault")) if "checkpoint_fault" in knobs else None
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
