@@ -1,4 +1,4 @@
-"""Start real multi-process runs for tests: torchrun (`torch.distributed.run`) on a free port, gloo, 1 thread."""
+"""Start real multi-process runs for tests: torchrun (`torch.distributed.run`) on a port it picks, gloo, 1 thread."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-from shardtrain.parallel.distributed import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,8 +22,9 @@ def worker_env(**extra: str) -> dict[str, str]:
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` ranks with torchrun on a fresh port; fail with its output on error."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={find_free_port()}", str(script), *args]
+    # No port given: torchrun's c10d rendezvous binds port 0 itself (a port picked beforehand could be taken
+    # by another test before torchrun binds it).
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(script), *args]
     proc = subprocess.run(cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun {script} x{nproc} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"

@@ -21,8 +21,6 @@ from pathlib import Path
 import pytest
 from conftest import cli_cmd, cli_env, explain
 
-from shardtrain.parallel.distributed import find_free_port
-
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data"
 SCRIPTS = {
@@ -46,8 +44,7 @@ def _run(cmd, home, cwd=REPO):
 
 
 def _torchrun(script, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", find_free_port(), script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, *args]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +61,7 @@ def runs(tmp_path_factory):
         hf_script.write_text(swapped)
         _run(_torchrun(script, "--output_dir", root / f"{name}-torchrun", "--fsdp", "full_shard auto_wrap", *args,
                        *COMMON), home)
-        _run(cli_cmd("launch", "--cpu", "--num_processes", 2, "--main_process_port", find_free_port(), script,
+        _run(cli_cmd("launch", "--cpu", "--num_processes", 2, script,
                      "--output_dir", root / f"{name}-launch", *args, *COMMON), home)
         _run(_torchrun(hf_script, "--output_dir", root / f"{name}-hf", *args, *COMMON, *HF_ONLY[name]), home)
     return root

@@ -62,11 +62,9 @@ ACCELERATE_IGNORED = [
 
 
 def launch_report(home: Path, out: Path, expected: dict, *flags: str) -> tuple[list[dict], str]:
-    """Launch report.py with `flags` on a free port; return the rank reports and stderr."""
+    """Launch report.py with `flags` (torchrun picks the port); return the rank reports and stderr."""
     proc = run_cli(
         "launch",
-        "--main_process_port",
-        find_free_port(),
         *flags,
         REPORT,
         out,
@@ -105,12 +103,12 @@ def test_default_config_two_ranks_and_cp_size_ignored_without_parallelism_config
     expected = {
         "SHARDTRAIN_USE_FSDP": "1",
         "SHARDTRAIN_MIXED_PRECISION": "bf16",
-        "SHARDTRAIN_CP_SIZE": None,
+        "SHARDTRAIN_PARALLELISM": None,
         "SHARDTRAIN_CPU": "1",
         "OMP_NUM_THREADS": "1",
     }
     reports, stderr = launch_report(home, tmp_path / "out", expected, "--parallelism_config_cp_size", "2")
-    assert "warning: --parallelism_config_cp_size 2 is ignored" in stderr
+    assert "warning: --parallelism_config_cp_size 2 ignored" in stderr
     fsdp = FSDPConfig.load(
         {"version": 2, "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"}
     )
@@ -157,7 +155,7 @@ def test_flags_override_the_config_file(home, tmp_path) -> None:
     expected = {
         "SHARDTRAIN_USE_FSDP": "1",
         "SHARDTRAIN_MIXED_PRECISION": "no",
-        "SHARDTRAIN_CP_SIZE": "2",
+        "SHARDTRAIN_PARALLELISM": '{"cp_size": 2}',
         "SHARDTRAIN_CPU": "1",
     }
     reports, _ = launch_report(
@@ -237,8 +235,6 @@ def test_max_restarts_recovers_from_a_dead_rank(home, tmp_path) -> None:
         2,
         "--max_restarts",
         1,
-        "--main_process_port",
-        find_free_port(),
         SCRIPTS / "flaky.py",
         out,
         home=home,
@@ -250,7 +246,6 @@ def test_max_restarts_recovers_from_a_dead_rank(home, tmp_path) -> None:
 
 
 def test_failed_script_exits_1_with_a_message(home) -> None:
-    proc = run_cli("launch", "--cpu", "--num_processes", 2, "--main_process_port", find_free_port(),
-                   SCRIPTS / "fail.py", home=home)
+    proc = run_cli("launch", "--cpu", "--num_processes", 2, SCRIPTS / "fail.py", home=home)
     assert proc.returncode == 1, explain(proc)
     assert "fail.py failed (exit codes by global rank: {0: 3, 1: 3})" in proc.stderr, explain(proc)

@@ -58,7 +58,7 @@ BAD_CONFIGS = {
     ),
     "cp_not_dividing": (
         "num_processes: 2\nparallelism_config:\n  parallelism_config_cp_size: 3\n",
-        "must divide",
+        "cp_size x tp_size = 3 x 1 = 3 does not divide the 2 ranks",
     ),
 }
 
@@ -148,8 +148,9 @@ def test_accelerate_fsdp1_spellings_and_parallelism_section(home, tmp_path, caps
         True,
     )
     assert plan["env"]["SHARDTRAIN_MIXED_PRECISION"] == "no"  # YAML's bare `no` is False
-    assert plan["env"]["SHARDTRAIN_CP_SIZE"] == "2"  # a non-empty parallelism_config turns it on
-    assert "ignoring keys shardtrain does not use: parallelism_config.parallelism_config_dp_shard_size" in err
+    # a non-empty parallelism_config turns it on; the sizes travel as one JSON variable
+    assert json.loads(plan["env"]["SHARDTRAIN_PARALLELISM"]) == {"dp_shard_size": 2, "cp_size": 2}
+    assert "ignoring keys" not in err
 
 
 def test_fsdp_flag_forms(home, tmp_path, capsys) -> None:

@@ -11,8 +11,6 @@ import torch
 from conftest import SCRIPTS, cli_cmd, cli_env, explain
 from safetensors.torch import load_file
 
-from shardtrain.parallel.distributed import find_free_port
-
 SCRIPT = SCRIPTS / "train_restart.py"
 TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 RNG = random.Random(20261129)  # the trials are random but fixed, so a failure can be replayed
@@ -34,7 +32,7 @@ def _launch(home, out, kind, kill=None, fault=None, restarts=2):
     extra = {"SHARDTRAIN_FAULT": fault} if fault else {}
     args = [out, kind] + ([kill] if kill else [])
     proc = subprocess.run(cli_cmd("launch", "--cpu", "--num_processes", 2, "--max_restarts", restarts,
-                                  "--main_process_port", find_free_port(), SCRIPT, *args),
+                                  SCRIPT, *args),
                           env=cli_env(home, **extra), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, explain(proc)
     return proc

@@ -9,14 +9,11 @@ import psutil
 import pytest
 from conftest import SCRIPTS, cli_cmd, cli_env, explain
 
-from shardtrain.parallel.distributed import find_free_port
-
 SCRIPT = SCRIPTS / "stall.py"
 
 
 def _start(home, out, mode) -> subprocess.Popen:
-    return subprocess.Popen(cli_cmd("launch", "--cpu", "--num_processes", 2, "--main_process_port",
-                                    find_free_port(), SCRIPT, out, mode),
+    return subprocess.Popen(cli_cmd("launch", "--cpu", "--num_processes", 2, SCRIPT, out, mode),
                             env=cli_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -21,7 +21,7 @@ CASES = _cases.CASES
 
 def test_there_are_at_least_60_cases_in_every_group():
     groups = {group for group, *_ in CASES.values()}
-    assert len(CASES) >= 60 and groups == {"arguments", "environment", "dataset", "checkpoint", "output"}
+    assert len(CASES) >= 60 and groups == {"arguments", "environment", "dataset", "checkpoint", "output", "parallelism"}
 
 
 @pytest.fixture(scope="module")

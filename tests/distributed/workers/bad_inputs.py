@@ -40,6 +40,13 @@ def train(out: Path, data=DATA, resume=None, model=None, **kw) -> None:
     Trainer(model or tiny_llama(), args(out, **kw), train_dataset=data).train(resume_from_checkpoint=resume)
 
 
+def tiny_bert_classifier():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64))
+
+
 def ids(*rows: list) -> list[dict]:
     return [{"input_ids": row} for row in rows] + DATA[:8]
 
@@ -113,6 +120,23 @@ case("args_fsdp_config_typo", "arguments", ["reshard_after_forwad", "reshard_aft
      lambda out: args(out, fsdp_config={"reshard_after_forwad": True}))
 case("args_fsdp_string", "arguments", ["fsdp", "fulll_shard"], lambda out: args(out, fsdp="fulll_shard"))
 case("args_cp_and_sp", "arguments", ["cp_size", "sp_size"], lambda out: args(out, cp_size=2, sp_size=2))
+case("args_cp_twice", "arguments", ["cp_size", "parallelism_config"],
+     lambda out: args(out, cp_size=2, parallelism_config={"cp_size": 1}))
+case("args_parallelism_typo", "arguments", ["cp_sise", "cp_size"],
+     lambda out: args(out, parallelism_config={"parallelism_config_cp_sise": 2}))
+case("args_cp_alltoall", "arguments", ["cp_comm_strategy", "alltoall", "allgather"],
+     lambda out: args(out, parallelism_config={"cp_size": 2, "cp_comm_strategy": "alltoall"}))
+case("args_tp_size", "arguments", ["tp_size"], lambda out: args(out, tp_size=2))
+case("args_cp_without_fsdp", "arguments", ["cp_size", "fsdp"], lambda out: args(out, cp_size=2, fsdp=""))
+case("parallel_cp_not_dividing", "parallelism", ["cp_size", "3", "divide", "2 ranks"],
+     lambda out: train(out, cp_size=3))
+case("parallel_dp_shard_too_big", "parallelism", ["dp_shard", "4", "2 ranks"],
+     lambda out: train(out, parallelism_config={"dp_shard_size": 4}))
+case("parallel_cp_not_causal", "parallelism", ["cp_size", "BertForSequenceClassification", "causal"],
+     lambda out: train(out, cp_size=2, model=tiny_bert_classifier()))
+case("parallel_cp_custom_loss", "parallelism", ["cp_size", "compute_loss"],
+     lambda out: Trainer(tiny_llama(), args(out, cp_size=2), train_dataset=DATA,
+                         compute_loss_func=lambda outputs, labels, num_items_in_batch: outputs.logits.sum()).train())
 case("args_save_only_model_sharded", "arguments", ["save_only_model", "SHARDED_STATE_DICT"],
      lambda out: args(out, save_only_model=True, fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"}))
 case("args_ac_and_gc", "arguments", ["gradient_checkpointing", "activation_checkpointing"],
@@ -121,14 +145,19 @@ case("args_best_without_eval", "arguments", ["load_best_model_at_end", "eval_str
      lambda out: args(out, load_best_model_at_end=True))
 
 # -- environment set by the launcher ------------------------------------------------------------------------
-for var, value, words in [("SHARDTRAIN_USE_FSDP", "maybe", ["SHARDTRAIN_USE_FSDP", "maybe"]),
-                          ("SHARDTRAIN_FSDP_CONFIG", "{oops", ["SHARDTRAIN_FSDP_CONFIG", "JSON"]),
-                          ("SHARDTRAIN_MIXED_PRECISION", "fp8", ["SHARDTRAIN_MIXED_PRECISION", "fp8"]),
-                          ("SHARDTRAIN_CP_SIZE", "two", ["SHARDTRAIN_CP_SIZE", "two"])]:
+ENV_CASES = {
+    "use_fsdp": ("SHARDTRAIN_USE_FSDP", "maybe", ["SHARDTRAIN_USE_FSDP", "maybe"]),
+    "fsdp_config": ("SHARDTRAIN_FSDP_CONFIG", "{oops", ["SHARDTRAIN_FSDP_CONFIG", "JSON"]),
+    "mixed_precision": ("SHARDTRAIN_MIXED_PRECISION", "fp8", ["SHARDTRAIN_MIXED_PRECISION", "fp8"]),
+    "parallelism_json": ("SHARDTRAIN_PARALLELISM", "{cp: 2", ["SHARDTRAIN_PARALLELISM", "JSON"]),
+    "parallelism_value": ("SHARDTRAIN_PARALLELISM", '{"cp_size": "two"}', ["SHARDTRAIN_PARALLELISM", "cp_size", "two"]),
+    "parallelism_key": ("SHARDTRAIN_PARALLELISM", '{"cp_sise": 2}', ["SHARDTRAIN_PARALLELISM", "cp_sise", "cp_size"]),
+}
+for key, (var, value, words) in ENV_CASES.items():
     def body(out, var=var, value=value):
         with environ(**{var: value}):
             TrainingArguments(output_dir=str(out))
-    case(f"env_{var}", "environment", words, body)
+    case(f"env_{key}", "environment", words, body)
 
 # -- datasets -------------------------------------------------------------------------------------------------
 for name, data, words in [
