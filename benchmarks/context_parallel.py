@@ -73,6 +73,7 @@ def worker(cli: argparse.Namespace) -> None:
     import torch.nn.functional as F
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from shardtrain.config.fsdp_config import FSDPConfig
     from shardtrain.parallel.context import ContextParallel
     from shardtrain.parallel.dims import ParallelDims
     from shardtrain.parallel.distributed import destroy_distributed, init_distributed
@@ -86,7 +87,7 @@ def worker(cli: argparse.Namespace) -> None:
     cp = ContextParallel(meshes.cp, recompute=recompute) if cp_size > 1 else None
     if cp is not None:
         cp.enable(model)
-    apply_fsdp(model, {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}, meshes.fsdp)
+    apply_fsdp(model, FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}), meshes.fsdp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + meshes.batch_rank)  # cp ranks share their sequence
     input_ids = torch.randint(0, 2048, (1, cli.seq), generator=gen)

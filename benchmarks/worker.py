@@ -358,6 +358,7 @@ def _state_meshes(world: int, groups: str | None) -> list[tuple[int, Any]]:
 
 
 def run_state(cli: argparse.Namespace, specs: list[SizeSpec]) -> None:
+    from shardtrain.config.fsdp_config import FSDPConfig
     from shardtrain.parallel.distributed import init_distributed
     from shardtrain.parallel.fsdp import apply_fsdp
 
@@ -369,7 +370,7 @@ def run_state(cli: argparse.Namespace, specs: list[SizeSpec]) -> None:
         for spec in specs:
             model = build_model(spec)
             num_params = sum(p.numel() for p in model.parameters())
-            apply_fsdp(model, {"transformer_layer_cls_to_wrap": [LAYER_CLASS]}, mesh)
+            apply_fsdp(model, FSDPConfig.load({"transformer_layer_cls_to_wrap": [LAYER_CLASS]}), mesh)
             optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
                                           fused=FUSED_ADAMW)
             batch = stack(make_samples(spec, world)[rank:rank + 1])

@@ -105,4 +105,4 @@ def test_xla_without_torch_xla_is_a_clear_error():
     from shardtrain import apply_fsdp
 
     with pytest.raises(FSDPConfigError, match="torch_xla is not installed"):
-        apply_fsdp(torch.nn.Linear(2, 2), {"xla": True, "xla_fsdp_grad_ckpt": True})
+        apply_fsdp(torch.nn.Linear(2, 2), FSDPConfig.load({"xla": True, "xla_fsdp_grad_ckpt": True}))

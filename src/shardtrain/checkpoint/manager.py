@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +53,19 @@ from shardtrain.checkpoint.async_save import (
 )
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
+from shardtrain.checkpoint.layout import (  # noqa: F401 (PREFIX, SHARDED_DIR, ...: re-exported for the Trainer)
+    MODEL_FILE,
+    MODEL_INDEX_FILE,
+    NAME,
+    OPTIMIZER_DIR,
+    PREFIX,
+    RNG_PREFIX,
+    SCHEDULER_FILE,
+    SHARDED_DIR,
+    STATE_FILE,
+    TIED_FILE,
+    TMP_PREFIX,
+)
 from shardtrain.checkpoint.manifest import manifest_problem, write_manifest
 from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
     full_model_state,
@@ -67,23 +79,12 @@ from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.config import env
 from shardtrain.parallel.distributed import barrier
 
-# The checkpoint layout: one source of truth for every module that writes or reads it.
-PREFIX = "checkpoint-"
-TMP_PREFIX = ".tmp-checkpoint-"
-SHARDED_DIR = "sharded"
-OPTIMIZER_DIR = "optimizer"
-STATE_FILE = "trainer_state.json"
-SCHEDULER_FILE = "scheduler.json"
-TIED_FILE = "tied_weights.json"
-RNG_PREFIX = "rng_state_"
-_NAME = re.compile(rf"^{PREFIX}(\d+)$")
-
 
 def checkpoint_kind(path: Path) -> str:
     """"SHARDED_STATE_DICT" or "FULL_STATE_DICT" from the files present."""
-    if (path / "sharded").is_dir():
+    if (path / SHARDED_DIR).is_dir():
         return "SHARDED_STATE_DICT"
-    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+    if (path / MODEL_FILE).is_file() or (path / MODEL_INDEX_FILE).is_file():
         return "FULL_STATE_DICT"
     raise CheckpointError(f"{path} holds no model (no sharded/ and no model.safetensors); pass a checkpoint-<step> "
                           "directory written by shardtrain")
@@ -354,11 +355,6 @@ class CheckpointManager:
             message = f"could not save {PREFIX}{step} in {self.output_dir}: another rank failed (see its error)"
         raise _AgreedFailure(message) from error
 
-    def latest(self) -> Path | None:
-        """Newest committed checkpoint under `output_dir` (not verified; see `resumable`), or None."""
-        found = self.list_checkpoints(self.output_dir)
-        return found[-1] if found else None
-
     @classmethod
     def resumable(cls, output_dir: str | Path) -> tuple[Path | None, list[str]]:
         """The newest checkpoint whose files match its manifest, and one warning per newer damaged one."""
@@ -430,7 +426,7 @@ class CheckpointManager:
         if not root.is_dir():
             return []
         # A checkpoint-<step> name exists only after the atomic rename: the directory was complete then.
-        found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+        found = [(int(m.group(1)), p) for p in root.iterdir() if (m := NAME.match(p.name)) and p.is_dir()]
         return [p for _, p in sorted(found)]
 
     def _rotate(self, keep: str | None) -> None:
@@ -454,7 +450,7 @@ class CheckpointManager:
             except CheckpointError:  # refused by the restricted unpickler: keep its message
                 raise
             except Exception as err:
-                raise CheckpointError(f"{path / 'sharded'} has no readable metadata ({err}); the checkpoint is "
+                raise CheckpointError(f"{path / SHARDED_DIR} has no readable metadata ({err}); the checkpoint is "
                                       "corrupt or incomplete") from err
             saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
                      if k.startswith("model.") and hasattr(v, "size")}
@@ -488,7 +484,7 @@ class CheckpointManager:
         set_model_state_dict(self.model, full, options=options)
         del full
         if load_optim:
-            if not (path / "optimizer").is_dir():
+            if not (path / OPTIMIZER_DIR).is_dir():
                 raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "
                                       "a new run's weights but not resume one")
             optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}

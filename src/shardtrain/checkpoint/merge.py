@@ -15,13 +15,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, write_full_checkpoint
+from shardtrain.checkpoint.layout import SHARDED_DIR
 from shardtrain.checkpoint.manager import checkpoint_kind
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 
 
 def load_sharded_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model state dict stored in a SHARDED_STATE_DICT checkpoint."""
-    path = Path(checkpoint_dir) / "sharded"
+    path = Path(checkpoint_dir) / SHARDED_DIR
     try:
         metadata = read_dcp_metadata(path)
     except CheckpointError:  # refused by the restricted unpickler: keep its message

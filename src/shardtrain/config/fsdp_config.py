@@ -35,9 +35,9 @@ _STRATEGY_BY_NUMBER = {1: "full_shard", 2: "shard_grad_op", 3: "no_shard", 4: "h
 # Accelerate spellings that mean one of our keys.
 _ALIASES = {"offload_params": "cpu_offload", "min_num_param": "min_num_params", "wrap_policy": "auto_wrap_policy"}
 # FSDP1-only knobs that FSDP2 has no use for: accepted so old configs load, ignored with a warning.
-_IGNORED_FSDP1_KEYS = frozenset(
+IGNORED_FSDP1_KEYS = frozenset(
     {"backward_prefetch", "backward_prefetch_policy", "forward_prefetch", "sync_module_states",
-     "use_orig_params", "limit_all_gathers", "activation_cpu_offload"}
+     "use_orig_params", "limit_all_gathers", "activation_cpu_offload", "cpu_offload_pin_memory"}
 )
 
 
@@ -158,7 +158,7 @@ class FSDPConfig:
                 raise FSDPConfigError(f"fsdp_config keys must be strings, got {key!r}")
             name = key[len("fsdp_"):] if key.startswith("fsdp_") else key
             name = _ALIASES.get(name, name)
-            if name in _IGNORED_FSDP1_KEYS:
+            if name in IGNORED_FSDP1_KEYS:
                 warnings.warn(f"fsdp_config key {key!r} is an FSDP1 setting with no effect under FSDP2; ignored",
                               stacklevel=3)
                 continue

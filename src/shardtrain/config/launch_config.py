@@ -39,7 +39,13 @@ from typing import Any
 import yaml
 
 from shardtrain.config import values
-from shardtrain.config.fsdp_config import MIXED_PRECISIONS, SHARDING_STRATEGIES, FSDPConfig, FSDPConfigError
+from shardtrain.config.fsdp_config import (
+    IGNORED_FSDP1_KEYS,
+    MIXED_PRECISIONS,
+    SHARDING_STRATEGIES,
+    FSDPConfig,
+    FSDPConfigError,
+)
 from shardtrain.config.parallelism import ParallelismError, read_parallelism
 from shardtrain.config.values import closest
 from shardtrain.errors import UserError
@@ -63,10 +69,6 @@ _IGNORED_TOP = frozenset(
     "debug downcast_bf16 main_training_function same_network gpu_ids enable_cpu_affinity dynamo_config "
     "dynamo_backend deepspeed_config megatron_lm_config mpirun_config fp8_config ipex_config use_ipex "
     "tpu_name tpu_zone tpu_use_cluster tpu_use_sudo tpu_vm tpu_env command_file commands fp16".split()
-)
-_IGNORED_FSDP = frozenset(  # FSDP1 knobs (without the fsdp_ prefix) that FSDP2 has no use for
-    "backward_prefetch backward_prefetch_policy forward_prefetch sync_module_states use_orig_params "
-    "limit_all_gathers activation_cpu_offload cpu_offload_pin_memory".split()
 )
 
 
@@ -127,7 +129,7 @@ def map_fsdp_config(raw: Any, where: str) -> tuple[dict[str, Any], list[str]]:
         if value is None:  # Accelerate writes unset keys as null (e.g. fsdp_ignored_modules): nothing to map
             continue
         name = str(key).removeprefix("fsdp_")
-        if name in _IGNORED_FSDP:
+        if name in IGNORED_FSDP1_KEYS:
             ignored.append(f"fsdp_config.{key}")
         elif name == "reshard_after_forward" and str(value).lower() in SHARDING_STRATEGIES:
             mapped["sharding_strategy"] = value  # Accelerate's FSDP1 form: reshard_after_forward: FULL_SHARD

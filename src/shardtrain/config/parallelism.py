@@ -3,8 +3,10 @@ hands them to the ranks (one JSON variable, `SHARDTRAIN_PARALLELISM`).
 
 Keys (with or without Accelerate's `parallelism_config_` prefix): `dp_replicate_size`, `dp_shard_size`,
 `cp_size`, `tp_size`, `ep_size` (ints >= 1, unset: decided by `ParallelDims.resolve`), `sp_size` (Ulysses; only
-1), `cp_comm_strategy` (only "allgather": keys and values are gathered over the cp ranks). Accelerate keys with
-no effect here (`cp_backend`, `sp_backend`, `sp_seq_length`, ...) are accepted and reported as ignored.
+1), `cp_comm_strategy` (only "allgather": keys and values are gathered over the cp ranks). From an
+`accelerate.ParallelismConfig` object, sizes of 1 (its default for every size not given) count as unset.
+Accelerate keys with no effect here (`cp_backend`, `sp_backend`, `sp_seq_length`, ...) are accepted and
+reported as ignored.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def read_parallelism(value: Any, where: str) -> tuple[dict[str, int], list[str]]
         if not hasattr(value, "cp_size"):
             raise ParallelismError(f"{where} must be a mapping or accelerate.ParallelismConfig, got {value!r}")
         handler = getattr(value, "cp_handler", None)
-        value = {**{k: getattr(value, k, None) for k in (*SIZE_KEYS, "sp_size")},
+        # It fills every size it was not given with 1; a 1 there means "not set" (the rest of the ranks), not
+        # "no sharding", or ParallelismConfig(cp_size=2) would fit only 2 ranks.
+        value = {**{k: getattr(value, k, None) for k in (*SIZE_KEYS, "sp_size") if getattr(value, k, None) != 1},
                  "cp_comm_strategy": getattr(handler, "cp_comm_strategy", None)}
     sizes: dict[str, int] = {}
     ignored: list[str] = []

@@ -23,9 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import UserError
 
-# Hugging Face / Accelerate ParallelismConfig names of the sizes, in the order they appear in error messages.
-SIZE_NAMES = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size")
-
 
 class ParallelDimsError(UserError, ValueError):
     """Parallel sizes that do not fit the ranks; the message names the sizes and a fix."""
@@ -150,7 +147,3 @@ class Meshes:
     @property
     def batch_rank(self) -> int:
         return self.batch.get_local_rank()
-
-    @property
-    def cp_rank(self) -> int:
-        return self.cp.get_local_rank()

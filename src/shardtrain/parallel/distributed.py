@@ -81,14 +81,6 @@ def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def get_world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def barrier() -> None:
     """Barrier that works on gloo and nccl alike (nccl needs the device)."""
     if not dist.is_initialized():

@@ -172,7 +172,7 @@ def reshard_all(model: nn.Module) -> None:
 
 def apply_fsdp(
     model: nn.Module,
-    fsdp_config: FSDPConfig | dict | str | None = None,
+    fsdp_config: FSDPConfig | None = None,
     mesh: DeviceMesh | None = None,
     *,
     mixed_precision: str | None = None,
@@ -181,7 +181,7 @@ def apply_fsdp(
 
     Args:
         model: any module (Hugging Face models get `_no_split_modules` and `generate` support).
-        fsdp_config: an `FSDPConfig`, dict or JSON path.
+        fsdp_config: a parsed `FSDPConfig` (`FSDPConfig.load(dict | JSON path)` at the boundary); None: defaults.
         mesh: the mesh to shard over (`ParallelDims(...).build(...).fsdp`); default: every rank, as the
             config's sharding strategy says (1-D shard, or 2-D replicate x shard).
         mixed_precision: "bf16"/"fp16" overrides the config's `mixed_precision`.
@@ -189,7 +189,10 @@ def apply_fsdp(
     Raises:
         FSDPConfigError: bad wrap settings, or `xla` set without torch_xla.
     """
-    config = FSDPConfig.load(fsdp_config)
+    if fsdp_config is not None and not isinstance(fsdp_config, FSDPConfig):
+        raise TypeError(f"apply_fsdp takes an FSDPConfig, got {type(fsdp_config).__name__}; parse it first with "
+                        "FSDPConfig.load(...)")
+    config = fsdp_config or FSDPConfig()
     if config.xla:
         from shardtrain.parallel.xla import apply_xla_fsdp
 

