@@ -29,6 +29,7 @@ from shardtrain.config.launch_config import (
     load_launch_config,
     write_launch_config,
 )
+from shardtrain.config.values import as_bool, as_int
 
 Answers = dict[str, Any]
 
@@ -44,12 +45,10 @@ def _choice(*options: str) -> Callable[[str, Answers], str]:
 
 
 def _yes_no(text: str, answers: Answers) -> bool:
-    word = text.lower()
-    if word in ("y", "yes", "true", "1", "on"):
-        return True
-    if word in ("n", "no", "false", "0", "off"):
-        return False
-    raise ValueError("answer yes or no")
+    try:
+        return as_bool("answer", text, ValueError)
+    except ValueError:
+        raise ValueError("answer yes or no") from None
 
 
 def _int(
@@ -57,11 +56,14 @@ def _int(
 ) -> Callable[[str, Answers], int]:
     def parse(text: str, answers: Answers) -> int:
         top = maximum(answers)
-        if not text.lstrip("-").isdigit() or int(text) < minimum or (top is not None and int(text) > top):
-            raise ValueError(
-                f"enter a whole number from {minimum}" + (f" to {top}" if top is not None else " up")
-            )
-        return int(text)
+        fix = f"enter a whole number from {minimum}" + (f" to {top}" if top is not None else " up")
+        try:
+            number = as_int("answer", text, minimum, fix, ValueError)
+        except ValueError:
+            raise ValueError(fix) from None
+        if top is not None and number > top:
+            raise ValueError(fix)
+        return number
 
     return parse
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from shardtrain.config import values
 from shardtrain.errors import UserError
 
 USE_FSDP = "SHARDTRAIN_USE_FSDP"  # true: FSDP on
@@ -19,8 +20,8 @@ CPU = "SHARDTRAIN_CPU"  # true: CPU + gloo even when GPUs are visible
 FAULT = "SHARDTRAIN_FAULT"  # tests only: "<point>:<rank>:<step>" SIGKILLs that rank there
 EXIT_TIMEOUT = "SHARDTRAIN_EXIT_TIMEOUT"  # seconds a finished rank waits at exit for its peers (default 60)
 
-TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("", "0", "false", "no", "off")
+TRUE_WORDS = values.TRUE_WORDS
+FALSE_WORDS = ("", *values.FALSE_WORDS)  # set but empty: false
 
 
 class EnvError(UserError, ValueError):

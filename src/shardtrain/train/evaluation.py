@@ -43,11 +43,12 @@ class EvalLoop:
     def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, dp_rank: int,
                  dp_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
                  on_step: Callable[[], None] | None = None, cp: ContextParallel | None = None,
-                 prepare: Callable[[dict], dict] | None = None) -> None:
+                 prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
         self.cp, self.prepare = cp, prepare  # prepare: the Trainer's collated batch -> model inputs
+        self.loss_group = loss_group  # where (loss sum, token count) add up: the `loss` mesh
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -83,7 +84,7 @@ class EvalLoop:
                     self.on_step()
         reshard_all(self.model)
         self.model.train(was_training)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.loss_group)
         metrics = {f"{prefix}_loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
         predictions = label_ids = None
         if with_predictions:

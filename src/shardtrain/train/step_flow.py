@@ -24,7 +24,7 @@ class StepFlowMixin:
                 (args.logging_strategy == "epoch" and at_epoch_end) or (args.logging_first_step and step == 1) or \
                 (stopping and window) or self.control.should_log:
             sums = torch.stack([s for s, _ in window])
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=self.meshes.loss.get_group())  # every token's loss once
             losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
             self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
             logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),

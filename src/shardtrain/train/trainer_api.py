@@ -91,7 +91,8 @@ class TrainerAPIMixin:
         loop = EvalLoop(self.model, self.loss, self.data_collator, self.args.per_device_eval_batch_size,
                         self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
                         seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"), cp=self.cp,
-                        prepare=lambda batch: self._model_inputs(batch, add_labels=False))
+                        prepare=lambda batch: self._model_inputs(batch, add_labels=False),
+                        loss_group=self.meshes.loss.get_group())
         output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
         steps = -(-len(dataset) // (self.args.per_device_eval_batch_size * self.dims.batch_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
