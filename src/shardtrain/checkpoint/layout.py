@@ -5,6 +5,7 @@
         model.safetensors           full model                       (FULL_STATE_DICT)
         optimizer/                  DCP optimizer state              (FULL_STATE_DICT)
         trainer_state.json, scheduler.json, tied_weights.json, rng_state_<rank>.pt, manifest.json, config.json
+        base_model.json             adapter (LoRA) checkpoints: class and hash of the frozen base (not saved)
 """
 
 import re
@@ -19,4 +20,5 @@ STATE_FILE = "trainer_state.json"
 SCHEDULER_FILE = "scheduler.json"
 TIED_FILE = "tied_weights.json"
 RNG_PREFIX = "rng_state_"
+BASE_FILE = "base_model.json"  # adapter checkpoints: the frozen base they were trained on
 NAME = re.compile(rf"^{PREFIX}(\d+)$")

@@ -54,6 +54,7 @@ from shardtrain.checkpoint.async_save import (
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
 from shardtrain.checkpoint.layout import (  # noqa: F401 (PREFIX, SHARDED_DIR, ...: re-exported for the Trainer)
+    BASE_FILE,
     MODEL_FILE,
     MODEL_INDEX_FILE,
     NAME,
@@ -68,6 +69,7 @@ from shardtrain.checkpoint.layout import (  # noqa: F401 (PREFIX, SHARDED_DIR, .
 )
 from shardtrain.checkpoint.manifest import manifest_problem, write_manifest
 from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
+    base_problem,
     full_model_state,
     model_class_name,
     model_config_dict,
@@ -139,12 +141,18 @@ class CheckpointManager:
         model, optimizer, scheduler: the objects to save; optimizer/scheduler may be None (model only).
         state_dict_type: "FULL_STATE_DICT" or "SHARDED_STATE_DICT".
         save_total_limit: keep at most this many checkpoints (the best one is never deleted).
+        frozen_base: for adapter training (LoRA): `frozen_identity` of the model before sharding. Checkpoints then
+            hold the trainable parameters only, and loading one trained on another base is refused.
     """
 
     def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
-                 save_total_limit: int | None = None) -> None:
+                 save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None) -> None:
         self.output_dir = Path(output_dir)
+        self.frozen_base = frozen_base
+        self._options = StateDictOptions(ignore_frozen_params=frozen_base is not None)
+        # loading an adapter checkpoint leaves the frozen base as it is (its keys are absent by design)
+        self._load_options = StateDictOptions(ignore_frozen_params=frozen_base is not None, strict=frozen_base is None)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state_dict_type = state_dict_type
         self.save_total_limit = save_total_limit
@@ -191,12 +199,12 @@ class CheckpointManager:
         step = state.global_step
         with_optim = self.optimizer is not None and not model_only
         if self.state_dict_type == "SHARDED_STATE_DICT":
-            payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+            payload: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
             if with_optim:
                 payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
             dcp.save(payload, checkpoint_id=str(tmp / SHARDED_DIR))
         else:
-            full = full_model_state(self.model)
+            full = full_model_state(self.model, trainable_only=self.frozen_base is not None)
             self._all_ok(lambda: write_full_checkpoint(full, tmp, None) if self.rank == 0 else None, tmp, step)
             del full
             if with_optim:
@@ -213,6 +221,8 @@ class CheckpointManager:
             if config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             (tmp / TIED_FILE).write_text(json.dumps(tied_aliases(self.model)))
+            if self.frozen_base is not None:
+                (tmp / BASE_FILE).write_text(json.dumps(self.frozen_base, indent=2))
             if self.scheduler is not None and not model_only:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / STATE_FILE)
@@ -268,10 +278,11 @@ class CheckpointManager:
         when the sharding is not plain FSDP, e.g. HSDP: gathered here, through the training group).
         """
         with_optim = self.optimizer is not None and not model_only
-        payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        payload: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
         full = None
         if self.state_dict_type != "SHARDED_STATE_DICT" and not gatherable(payload["model"]):
-            gathered = full_model_state(self.model)  # collective; rank 0 gets the model, the others {}
+            # collective; rank 0 gets the model, the others {}
+            gathered = full_model_state(self.model, trainable_only=self.frozen_base is not None)
             full = private_copy(gathered, self.model) if self.rank == 0 else {}
             del gathered, payload["model"]
         if with_optim:
@@ -388,6 +399,9 @@ class CheckpointManager:
         path = Path(path)
         state = self.read_state(path)
         kind = checkpoint_kind(path)
+        problem = base_problem(path, self.frozen_base)
+        if problem is not None:
+            raise CheckpointError(f"cannot load checkpoint: {problem}")
         self._check_shapes(path, kind)
         load_optim = self.optimizer is not None and not weights_only
         try:
@@ -443,10 +457,10 @@ class CheckpointManager:
                 excess -= 1
 
     def _check_shapes(self, path: Path, kind: str) -> None:
-        expected = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        expected = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model, options=self._options).items()}
         if kind == "SHARDED_STATE_DICT":
             try:
-                meta = read_dcp_metadata(path / "sharded").state_dict_metadata
+                meta = read_dcp_metadata(path / SHARDED_DIR).state_dict_metadata
             except CheckpointError:  # refused by the restricted unpickler: keep its message
                 raise
             except Exception as err:
@@ -470,17 +484,18 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} does not match the model: unexpected key {extra[0]!r}")
 
     def _load_sharded(self, path: Path, load_optim: bool) -> None:
-        payload: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        payload: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
         if load_optim:
             payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp_load(payload, path / "sharded")
-        set_model_state_dict(self.model, payload["model"])
+        dcp_load(payload, path / SHARDED_DIR)
+        set_model_state_dict(self.model, payload["model"], options=self._load_options)
         if load_optim:
             set_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
 
     def _load_full(self, path: Path, load_optim: bool) -> None:
         full = read_full_checkpoint(path) if self.rank == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False,
+                                   ignore_frozen_params=self.frozen_base is not None)
         set_model_state_dict(self.model, full, options=options)
         del full
         if load_optim:
@@ -488,5 +503,5 @@ class CheckpointManager:
                 raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "
                                       "a new run's weights but not resume one")
             optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp_load(optim, path / "optimizer")
+            dcp_load(optim, path / OPTIMIZER_DIR)
             set_optimizer_state_dict(self.model, self.optimizer, optim["optimizer"])

@@ -1,11 +1,15 @@
-"""What a checkpoint stores besides files: the model's full state and config, RNG states, tied-weight aliases.
+"""What a checkpoint stores besides files: the model's full state and config, RNG states, tied-weight aliases,
+the identity of a frozen base (adapter checkpoints).
 
 Pure functions shared by the checkpoint manager, the async save path and `Trainer.save_model`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,20 +18,29 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from shardtrain.checkpoint.layout import BASE_FILE
 
-def model_class_name(model: nn.Module) -> str:
-    """The model's own class name: `fully_shard` swaps the class for a generated `FSDP<Name>` subclass."""
+
+def model_class(model: nn.Module) -> type:
+    """The model's own class: `fully_shard` swaps the class for a generated `FSDP<Name>` subclass."""
     cls = type(model)
     if issubclass(cls, FSDPModule):
         bases = [base for base in cls.__bases__ if base is not FSDPModule]
         if bases and cls.__name__ == f"FSDP{bases[0].__name__}":
-            return bases[0].__name__
-    return cls.__name__
+            return bases[0]
+    return cls
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The model's own class name (not FSDP's generated subclass)."""
+    return model_class(model).__name__
 
 
 def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
     """The Hugging Face config of `model` as a dict, with `architectures` naming the model's class (what
     `save_pretrained` records); None for plain modules."""
+    if callable(getattr(model, "get_base_model", None)):  # a PEFT model: the base model's config and class
+        model = model.get_base_model()
     config = getattr(model, "config", None)
     if not hasattr(config, "to_dict"):
         return None
@@ -36,12 +49,14 @@ def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
     return data
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model gathered on CPU on rank 0 (empty on other ranks); every rank must call it.
+def full_model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model (`trainable_only`: its trainable parameters) gathered on CPU on rank 0 (empty on other
+    ranks); every rank must call it.
 
     A tied weight appears once, under its first name (`from_pretrained` re-ties the others from the config).
     """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=trainable_only))
     for alias in tied_aliases(model):
         state.pop(alias, None)
     return state
@@ -79,3 +94,38 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
         else:
             first[id(param)] = clean
     return aliases
+
+
+def frozen_identity(model: nn.Module) -> dict[str, Any]:
+    """Class of the (base) model and a SHA-256 of its frozen weights (names, dtypes, shapes, bytes), in name order.
+
+    Call it before sharding: the hash covers the full tensors, so it does not depend on the number of ranks.
+    """
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if param.requires_grad:
+            continue
+        tensor = param.detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return {"base_class": model_class_name(base), "frozen_sha256": digest.hexdigest()}
+
+
+def base_problem(checkpoint: Path, identity: dict[str, Any] | None) -> str | None:
+    """Why `checkpoint` cannot be loaded into a model whose frozen base is `identity` (None: adapters absent)."""
+    path = checkpoint / BASE_FILE
+    if identity is None and not path.is_file():
+        return None
+    if identity is None:
+        return (f"{checkpoint} holds adapter weights only (see {BASE_FILE}) but this model has no adapters; pass "
+                "the same peft_config (or PeftModel) as the run that wrote it")
+    if not path.is_file():
+        return (f"{checkpoint} holds a whole model, but this model has adapters; resume an adapter run from its "
+                "own checkpoints, or load these weights into the base before adding adapters")
+    saved = json.loads(path.read_text())
+    if saved != identity:
+        return (f"{checkpoint} was trained on base {saved.get('base_class')} with frozen weights "
+                f"{str(saved.get('frozen_sha256'))[:12]}..., this model is {identity['base_class']} with "
+                f"{identity['frozen_sha256'][:12]}...; load the same base model before adding the adapters")
+    return None

@@ -279,7 +279,9 @@ class ColumnFilter:
 
 def forward_columns(model: torch.nn.Module) -> frozenset[str]:
     """The parameter names of `model.forward` plus the label names: what `remove_unused_columns` keeps (as
-    Hugging Face, a `**kwargs` parameter does not make every column welcome)."""
+    Hugging Face, a `**kwargs` parameter does not make every column welcome). A PEFT model forwards to its base
+    model, whose signature counts (as Hugging Face does)."""
     import inspect
 
-    return frozenset(inspect.signature(model.forward).parameters) | frozenset(LABEL_KEYS)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return frozenset(inspect.signature(base.forward).parameters) | frozenset(LABEL_KEYS)

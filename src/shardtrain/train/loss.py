@@ -23,6 +23,8 @@ def is_causal_lm(model: nn.Module) -> bool:
 
     from shardtrain.checkpoint.model_state import model_class_name
 
+    if callable(getattr(model, "get_base_model", None)):  # a PEFT model: its base model decides
+        model = model.get_base_model()
     name = model_class_name(model)
     known = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in (v if isinstance(v, tuple) else (v,))}
     config = getattr(model, "config", None)

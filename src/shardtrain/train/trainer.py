@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from shardtrain.checkpoint.manager import CheckpointManager
+from shardtrain.checkpoint.model_state import frozen_identity
 from shardtrain.config import env
 from shardtrain.errors import install_error_hook
 from shardtrain.parallel.context import ContextParallel
@@ -48,6 +49,7 @@ from shardtrain.train.data import (
     passthrough,
 )
 from shardtrain.train.logging import MetricsLogger
+from shardtrain.train.lora import PeftError, add_adapters, is_peft_model
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
 from shardtrain.train.preflight import PreflightMixin
@@ -83,6 +85,8 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         optimizer_cls_and_kwargs: (optimizer class, kwargs), built on the sharded parameters with Hugging
             Face's weight-decay grouping.
         preprocess_logits_for_metrics: `fn(logits, labels) -> tensor` applied per batch before gathering.
+        peft_config: a `peft` config (e.g. `LoraConfig`): adapters are added before FSDP and only they train
+            (as TRL's trainers); a `PeftModel` passed as `model` works the same. See `shardtrain.train.lora`.
     """
 
     def __init__(self, model: nn.Module | str | None = None, args: TrainingArguments | None = None,
@@ -92,7 +96,8 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                  callbacks: list[TrainerCallback] | None = None,
                  optimizers: tuple[torch.optim.Optimizer | None, Any] = (None, None),
                  optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
-                 preprocess_logits_for_metrics: Callable | None = None, *, tokenizer: Any = None) -> None:
+                 preprocess_logits_for_metrics: Callable | None = None, *, tokenizer: Any = None,
+                 peft_config: Any = None) -> None:
         install_error_hook()
         self.args = args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
@@ -114,7 +119,7 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                 raise TrainingArgumentsError("Trainer needs a model or a model_init function")
             model = model_init()
         self.model_init = model_init
-        self.model = self._prepare_model(model)
+        self.model = self._prepare_model(model, peft_config)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class if processing_class is not None else tokenizer
         self._validate_samples = data_collator is None and not hasattr(self.processing_class, "pad")
@@ -141,9 +146,17 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         return self.callback_handler.callbacks
 
     # -- setup ----------------------------------------------------------------------------------------
-    def _prepare_model(self, model: nn.Module | str) -> nn.Module:
+    def _prepare_model(self, model: nn.Module | str, peft_config: Any = None) -> nn.Module:
         args = self.args
         config = args.fsdp_config
+        self._frozen_base = None  # adapter training: the base's identity, recorded in checkpoints
+        if peft_config is not None:
+            if isinstance(model, str | os.PathLike):
+                raise PeftError("peft_config needs a model object: load it first (e.g. AutoModelForCausalLM."
+                                "from_pretrained(path)) and pass it with peft_config")
+            model = add_adapters(model, peft_config)
+        if is_peft_model(model):
+            self._frozen_base = frozen_identity(model)  # before sharding: full tensors, any world size
         if isinstance(model, str | os.PathLike):
             model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
                                     mixed_precision=args.mixed_precision, device=self.device)
@@ -219,7 +232,8 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             manager = CheckpointManager(self.args.output_dir, model=self.model, optimizer=self.optimizer,
                                         scheduler=self.lr_scheduler,
                                         state_dict_type=self.args.fsdp_config.state_dict_type,
-                                        save_total_limit=self.args.save_total_limit)
+                                        save_total_limit=self.args.save_total_limit,
+                                        frozen_base=self._frozen_base)
             self._checkpoint_manager = manager
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager

@@ -17,6 +17,7 @@ from shardtrain.checkpoint.model_state import full_model_state, model_config_dic
 from shardtrain.errors import UserError
 from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, passthrough
 from shardtrain.train.evaluation import EvalLoop
+from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
 from shardtrain.train.state import TrainerCallback
 from shardtrain.train.validation import (
     DataError,
@@ -126,28 +127,45 @@ class TrainerAPIMixin:
                           collate_fn=passthrough)
 
     # -- saving ------------------------------------------------------------------------------------------
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> Path:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,
+                   merge_adapters: bool = False) -> Path:
         """Write what `from_pretrained` loads: config.json (with `architectures`), safetensors,
         generation_config.json for generative models, and the processing class's files. Every rank calls it;
-        the directory is checked before the model is gathered, and a failed write raises on every rank."""
+        the directory is checked before the model is gathered, and a failed write raises on every rank.
+
+        A LoRA (PEFT) model writes its adapter (`adapter_model.safetensors` + `adapter_config.json`, gathered from
+        every rank's shard: what `PeftModel.from_pretrained(base, dir)` loads), or with `merge_adapters=True` the
+        base with the adapters merged in (peft's `merge_and_unload`), a plain transformers model.
+        """
         out = Path(output_dir or self.args.output_dir)
         agree(writable_problem(out, "save_model directory") if self.rank == 0 else None, OutputDirError)
-        state = full_model_state(self.model)
+        adapters_only = is_peft_model(self.model) and not merge_adapters
+        state = full_model_state(self.model, trainable_only=adapters_only)
         problem = None
         if self.rank == 0:
             try:
-                write_full_checkpoint(state, out, model_config_dict(self.model))
-                generation = getattr(self.model, "generation_config", None)
-                can_generate = getattr(self.model, "can_generate", lambda: False)()
-                if generation is not None and can_generate:
-                    generation.save_pretrained(out)
-                if hasattr(self.processing_class, "save_pretrained"):
-                    self.processing_class.save_pretrained(out)
-                (out / "training_args.json").write_text(self.args.to_json_string())
+                self._write_model_files(out, state, adapters_only, merge_adapters)
             except OSError as err:
                 problem = f"could not write the model to {out}: {err}; free space or choose another directory"
         agree(problem, OutputDirError)
         return out
+
+    def _write_model_files(self, out: Path, state: dict, adapters_only: bool, merge_adapters: bool) -> None:
+        model, config = self.model, model_config_dict(self.model)
+        if adapters_only:
+            write_adapter(self.model, state, out)
+        else:
+            if merge_adapters and is_peft_model(self.model):
+                state, model = merged_state(self.model, state)
+                config = model_config_dict(model)
+            write_full_checkpoint(state, out, config)
+        generation = getattr(model, "generation_config", None)
+        can_generate = getattr(model, "can_generate", lambda: False)()
+        if generation is not None and can_generate:
+            generation.save_pretrained(out)
+        if hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(out)
+        (out / "training_args.json").write_text(self.args.to_json_string())
 
     def create_model_card(self, model_name: str | None = None, **kwargs: Any) -> None:
         """A short README.md in output_dir: what was trained, how, and the last logged results."""

@@ -19,6 +19,7 @@ from tiny_models import tiny_llama, tiny_qwen2
 
 from shardtrain.parallel.context import ContextParallel, CPShard, cp_attention
 from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.distributed import destroy_distributed, init_distributed
 
 
 class _Module(torch.nn.Module):  # what cp_attention reads from the attention module
@@ -114,13 +115,12 @@ def model_cases(cp: ContextParallel) -> list[dict]:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    init_distributed()
     dims = ParallelDims.resolve(world_size=dist.get_world_size(), cp=2)
     cp = ContextParallel(dims.build("cpu").cp)
     result = {"attention": attention_cases(cp), "models": model_cases(cp)}
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_distributed()
 
 
 if __name__ == "__main__":

