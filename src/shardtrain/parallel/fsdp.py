@@ -237,5 +237,10 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
     if callable(getattr(model, "generate", None)):
         register_fsdp_forward_method(model, "generate")
+        for module in model.modules():  # a PEFT model's generate calls its base model's
+            if callable(getattr(module, "generate", None)):
+                # transformers' own flag for sharded models: generate then runs with synced_gpus, so a rank that
+                # finished keeps running forwards (FSDP's collectives) until every rank has finished.
+                module._is_fsdp_managed_module = True
     logger.info("FSDP2 applied: %d units + %s root, mesh %s", len(units), "head unit +" if head else "", mesh)
     return model
