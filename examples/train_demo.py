@@ -5,7 +5,8 @@
     python examples/train_demo.py --max_steps 20           # one plain process also works
 
 The data is generated here: "a+b=" followed by the digits of the sum, least significant first (easier to
-learn). Only the answer is trained on; the metric is exact-match accuracy of the whole answer.
+learn). Only the answer is trained on; the metrics are exact-match accuracy of the whole answer, with teacher
+forcing (`evaluate`) and from the model's own greedy generation under FSDP2 (`predict_with_generate`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import random
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,6 +56,16 @@ def answer_accuracy(prediction: EvalPrediction) -> dict[str, float]:
     return {"accuracy": float((hits | ~mask).all(axis=1).mean()), "token_accuracy": float(hits.sum() / mask.sum())}
 
 
+def generated_exact_match(prediction: EvalPrediction) -> dict[str, float]:
+    """Share of samples whose generated answer starts with the whole reference answer (its EOS included)."""
+    preds, answers = np.asarray(prediction.predictions), np.asarray(prediction.label_ids)
+    width = answers.shape[1]
+    if preds.shape[1] < width:
+        preds = np.pad(preds, ((0, 0), (0, width - preds.shape[1])), constant_values=-100)
+    mask = answers != -100
+    return {"exact_match": float(((preds[:, :width] == answers) | ~mask).all(axis=1).mean())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="out/demo")
@@ -82,6 +94,9 @@ def main() -> None:
     state = trainer.state
     seconds = time.perf_counter() - start
     after = trainer.evaluate()
+    # the model's own answers: greedy generation on the sharded model, every rank in step
+    trainer.args.predict_with_generate, trainer.compute_metrics = True, generated_exact_match
+    generated = trainer.predict(trainer.eval_dataset, metric_key_prefix="generate").metrics
     final_dir = trainer.save_model(f"{cli.output_dir}/final")
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, round(peak_memory_mb(), 1))
@@ -92,6 +107,7 @@ def main() -> None:
             "first_train_loss": round(train_losses[0], 4), "final_train_loss": round(train_losses[-1], 4),
             "eval_loss_before": round(before["eval_loss"], 4), "eval_loss_after": round(after["eval_loss"], 4),
             "eval_exact_match_before": before["eval_accuracy"], "eval_exact_match_after": after["eval_accuracy"],
+            "generated_exact_match": generated["generate_exact_match"],
             "eval_token_accuracy_before": round(before["eval_token_accuracy"], 4),
             "eval_token_accuracy_after": round(after["eval_token_accuracy"], 4),
             "tokens_per_second": round(state.num_input_tokens_seen / seconds, 1),

@@ -5,28 +5,48 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from launch import REPO, worker_env
 from transformers import LlamaForCausalLM
+
+
+def _exact_match_in_one_process(model) -> float:
+    """The demo's eval set answered by `generate` on the saved model, one sample at a time, no FSDP."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from train_demo import make_dataset
+
+    hits, samples = 0, make_dataset(512, seed=2, digits=2)
+    with torch.no_grad():
+        for sample in samples:
+            start = next(i for i, label in enumerate(sample["labels"]) if label != -100)
+            answer = sample["labels"][start:]
+            prompt = torch.tensor([sample["input_ids"][:start]])
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=len(answer), do_sample=False, pad_token_id=0)
+            hits += out[0, start:].tolist()[:len(answer)] == answer
+    return hits / len(samples)
 
 
 def test_demo_trains_and_saves(tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "shardtrain.cli.main", "launch", "--cpu", "--num_processes", "2",
            str(REPO / "examples" / "train_demo.py"),
-           "--max_steps", "30", "--output_dir", str(out)]
+           "--max_steps", "150", "--output_dir", str(out)]
     proc = subprocess.run(cmd, env=worker_env(SHARDTRAIN_HOME=str(tmp_path / "home")), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert "summary" in proc.stdout
-    assert summary["ranks"] == 2 and summary["steps"] == 30
+    assert summary["ranks"] == 2 and summary["steps"] == 150
     assert summary["final_train_loss"] < summary["first_train_loss"]
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     assert summary["eval_token_accuracy_after"] > summary["eval_token_accuracy_before"]
-    assert Path(summary["checkpoint"]) == out / "checkpoint-30"
-    assert (out / "checkpoint-30" / "sharded" / ".metadata").is_file()
+    assert Path(summary["checkpoint"]) == out / "checkpoint-150"
+    assert (out / "checkpoint-150" / "sharded" / ".metadata").is_file()
     model = LlamaForCausalLM.from_pretrained(str(out / "final"))
     assert model.config.num_hidden_layers == 4
+    assert summary["generated_exact_match"] > 0  # some answers are right after 150 steps ...
+    assert summary["generated_exact_match"] == _exact_match_in_one_process(model)  # ... the same ones
     # the run's picture: drawn from metrics.jsonl at the end of train(), four panels with data
     from matplotlib.image import imread
 
@@ -38,9 +58,9 @@ def test_demo_trains_and_saves(tmp_path):
     panels = panel_series(read_metrics(out / "metrics.jsonl"))
     for name in ("loss", "learning_rate", "grad_norm", "throughput_memory"):
         for label, (steps, values) in panels[name].items():
-            if label != "eval loss":  # the demo evaluates outside train(): its eval_loss is logged at steps 0, 30
+            if label != "eval loss":  # the demo evaluates outside train(): its eval_loss is logged at steps 0, 150
                 assert steps and len(steps) == len(values), (name, label)
-    assert panels["loss"]["eval loss"][0] == [0, 30]
+    assert panels["loss"]["eval loss"][0] == [0, 150]
     entries = read_metrics(out / "metrics.jsonl")
     train = [e for e in entries if "loss" in e]
     assert all(e["memory_kind"] == "cpu_peak_rss" and len(e["peak_memory_mb_per_rank"]) == 2 for e in train)

@@ -116,6 +116,10 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
     tp_size: int | None = None
     ep_size: int | None = None
     save_async: bool = False
+    # as Hugging Face's Seq2SeqTrainingArguments
+    predict_with_generate: bool = False
+    generation_max_length: int | None = None
+    generation_num_beams: int | None = None
     fsdp_enabled: bool = field(init=False, default=False)
     parallel_sizes: dict = field(init=False, default_factory=dict)
 
@@ -227,6 +231,10 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 self._fail(name, f"must be in [0, 1), got {getattr(self, name)!r}")
+        for name in ("generation_max_length", "generation_num_beams"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                self._fail(name, f"must be None or a positive int, got {value!r}")
         if self.save_total_limit is not None and (not isinstance(self.save_total_limit, int)
                                                    or self.save_total_limit < 1):
             self._fail("save_total_limit", f"must be None or an int >= 1, got {self.save_total_limit!r}")
@@ -362,7 +370,8 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
 
 
 IMPLEMENTED = {f.name for f in dataclasses.fields(_ImplementedArguments) if f.init}
-OURS = {"cp_size", "sp_size", "tp_size", "ep_size", "save_async"}
+OURS = {"cp_size", "sp_size", "tp_size", "ep_size", "save_async", "predict_with_generate", "generation_max_length",
+        "generation_num_beams"}
 NOTES = {
     "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see README)",
     "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp sizes",
@@ -370,6 +379,9 @@ NOTES = {
     "tp_size": "tensor-parallel size (refused above 1 until tensor parallelism lands)",
     "ep_size": "expert-parallel size (refused above 1 until expert parallelism lands)",
     "save_async": "write checkpoints in the background (DCP async save)",
+    "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
+    "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",
+    "generation_num_beams": "as Seq2SeqTrainingArguments",
     "report_to": "'tensorboard', 'all' or 'none'; metrics.jsonl is always written",
     "optim": "'adamw_torch_fused' or 'adamw_torch'",
     "lr_scheduler_type": "transformers' schedulers, except reduce_lr_on_plateau and greedy",

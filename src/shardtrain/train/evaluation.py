@@ -43,12 +43,14 @@ class EvalLoop:
     def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, dp_rank: int,
                  dp_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
                  on_step: Callable[[], None] | None = None, cp: ContextParallel | None = None,
-                 prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None) -> None:
+                 prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
+                 generate: Callable[[dict], tuple[list, list]] | None = None) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
         self.cp, self.prepare = cp, prepare  # prepare: the Trainer's collated batch -> model inputs
         self.loss_group = loss_group  # where (loss sum, token count) add up: the `loss` mesh
+        self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -76,9 +78,15 @@ class EvalLoop:
                     totals[1] += self.loss.items(inputs).double()
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
+                collects = self.cp is None or self.cp.rank == 0  # one rank of each cp group
+                if with_predictions and self.generate is not None:
+                    generated, answers = self.generate(batch)  # every rank: FSDP's gathers need all of them
+                    if collects:
+                        self._collect_generated(indices, generated, answers, preds, labels)
+                    logits = None
                 if self.cp is not None and logits is not None and with_predictions:
                     logits = self.cp.gather_sequence(logits, inputs[SHARD_KWARG])
-                if with_predictions and logits is not None and (self.cp is None or self.cp.rank == 0):
+                if with_predictions and logits is not None and collects:
                     self._collect(indices, batch, logits, preds, labels)
                 if self.on_step is not None:
                     self.on_step()
@@ -98,6 +106,13 @@ class EvalLoop:
                 metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": float(v)
                                 for k, v in extra.items()})
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    @staticmethod
+    def _collect_generated(indices: list[int], generated: list, answers: list, preds: list, labels: list) -> None:
+        for row, index in enumerate(indices):
+            if index >= 0:
+                preds.append(np.asarray(generated[row], dtype=np.int64))
+                labels.append(np.asarray(answers[row], dtype=np.int64))
 
     def _collect(self, indices: list[int], batch: dict, logits: torch.Tensor, preds: list, labels: list) -> None:
         batch_labels = batch.get("labels")

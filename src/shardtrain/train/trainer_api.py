@@ -15,8 +15,10 @@ from transformers.trainer_utils import PredictionOutput, speed_metrics
 from shardtrain.checkpoint.full import write_full_checkpoint
 from shardtrain.checkpoint.model_state import full_model_state, model_config_dict
 from shardtrain.errors import UserError
+from shardtrain.train.arguments import TrainingArgumentsError
 from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, passthrough
 from shardtrain.train.evaluation import EvalLoop
+from shardtrain.train.generation import generate_answers
 from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
 from shardtrain.train.state import TrainerCallback
 from shardtrain.train.validation import (
@@ -93,13 +95,25 @@ class TrainerAPIMixin:
                         self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
                         seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"), cp=self.cp,
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
-                        loss_group=self.meshes.loss.get_group())
+                        loss_group=self.meshes.loss.get_group(),
+                        generate=self._generate_batch if self.args.predict_with_generate else None)
         output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
         steps = -(-len(dataset) // (self.args.per_device_eval_batch_size * self.dims.batch_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
         return output
+
+    def _generate_batch(self, batch: dict) -> tuple[list, list]:
+        """predict_with_generate: (generated answers, reference answers) of a collated batch (collective)."""
+        if not self.loss.shift_labels or not callable(getattr(self.model, "generate", None)):
+            raise TrainingArgumentsError(f"predict_with_generate needs a causal language model with generate(); "
+                                         f"{type(self.model).__name__} is not one; set predict_with_generate=False")
+        config = getattr(self.model, "config", None)
+        pad = getattr(config, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(config, "eos_token_id", None) or 0
+        return generate_answers(self.model, batch, pad_token_id=pad, max_length=self.args.generation_max_length,
+                                num_beams=self.args.generation_num_beams)
 
     # -- dataloaders (for scripts that iterate themselves) ------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:

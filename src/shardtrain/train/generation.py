@@ -1,0 +1,72 @@
+"""`predict_with_generate` for causal language models: answers generated from prompts, as predictions.
+
+    args = TrainingArguments(..., predict_with_generate=True)          # evaluate() / predict() generate
+    output = trainer.predict(test_set)   # predictions: generated tokens; label_ids: the reference answers
+
+A sample's prompt is its input up to the first labelled token (the tokens before the answer), its reference
+answer the labelled tokens (labels != -100); a sample without labels is all prompt. Prompts of a batch are left
+padded and generated together with `model.generate` (greedy unless `generation_num_beams` or the model's
+generation config say otherwise), for at most the longest answer of the batch in new tokens (or up to
+`generation_max_length` tokens in all, as Hugging Face's Seq2SeqTrainer). Predictions hold only the new tokens,
+padded with -100, so `compute_metrics` compares them with the answers directly. Under FSDP every rank generates
+(the model's weights are gathered in each forward); transformers' `synced_gpus` keeps ranks that finish early
+stepping, and the placeholders of short data shares keep the number of `generate` calls equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtrain.train.data import IGNORE_INDEX
+
+
+def prompts_and_answers(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per row: the prompt (real tokens before the first label) and the answer (the labelled tokens)."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask", torch.ones_like(ids))
+    labels = batch.get("labels")
+    prompts, answers = [], []
+    for row in range(ids.shape[0]):
+        real = mask[row].bool()
+        if labels is None or not (labels[row] != IGNORE_INDEX).any():
+            prompts.append(ids[row][real].tolist())
+            answers.append([])
+            continue
+        targets = labels[row] != IGNORE_INDEX
+        first = int(targets.nonzero()[0])
+        prompts.append(ids[row, :first][real[:first]].tolist())
+        answers.append(labels[row][targets].tolist())
+    return prompts, answers
+
+
+def generate_answers(model: nn.Module, batch: dict[str, torch.Tensor], *, pad_token_id: int,
+                     max_length: int | None = None, num_beams: int | None = None) -> tuple[list[list[int]],
+                                                                                             list[list[int]]]:
+    """(generated new tokens, reference answers) for every row of `batch` (every rank must call it)."""
+    prompts, answers = prompts_and_answers(batch)
+    device = batch["input_ids"].device
+    width = max(len(p) for p in prompts) or 1
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
+    attention = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
+            attention[row, width - len(prompt):] = 1
+    kwargs: dict[str, Any] = {"pad_token_id": pad_token_id}
+    if max_length is not None:
+        kwargs["max_length"] = max_length
+    else:
+        kwargs["max_new_tokens"] = max(1, max(len(a) for a in answers))
+    if num_beams is not None:
+        kwargs["num_beams"] = num_beams
+    with torch.no_grad():
+        output = model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
+    generated = []
+    for row in output[:, width:].tolist():
+        while row and row[-1] == pad_token_id:  # padding after an early EOS
+            row.pop()
+        generated.append(row)
+    return generated, answers
