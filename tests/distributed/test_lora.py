@@ -33,7 +33,9 @@ def _resume_dir(root: Path, name: str, source: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    torchrun(WORKER, 2, json.dumps([_job(root / "two", 4)]))
+    torchrun(WORKER, 2, json.dumps([_job(root / "two", 4),
+                                    {"out": str(root / "two_ac"), "per_device_train_batch_size": 4, "lora": True,
+                                     "fsdp_config": {"activation_checkpointing": True}}]))
     two_again = _resume_dir(root, "resumed2", root / "two")
     on1 = _resume_dir(root, "on1", root / "two")
     torchrun(WORKER, 2, json.dumps([{**_job(two_again, 4), "resume": True}]))
@@ -51,6 +53,7 @@ def test_two_ranks_equal_one_process_and_the_base_stays_frozen(runs):
     root, _ = runs
     one, two = _result(root, "one"), _result(root, "two")
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0)
+    assert _result(root, "two_ac")["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0)  # frozen base + AC
     assert len(set(one["losses"])) == 10
     w1, w2 = torch.load(root / "one" / "weights.pt"), torch.load(root / "two" / "weights.pt")
     lora_keys = sorted(k for k in w1 if "lora_" in k)
@@ -112,3 +115,27 @@ def test_resume_on_another_base_is_refused(runs):
     assert "was trained on base LlamaForCausalLM with frozen weights" in failed.stderr
     assert "load the same base model" in failed.stderr
     assert not (root / "other_base" / "result.json").exists()
+
+
+def test_merge_lora_checkpoint_with_its_base(runs, tmp_path, capsys):
+    from transformers import LlamaForCausalLM
+
+    from shardtrain.cli.main import main
+
+    root, _ = runs
+    base, other = tmp_path / "base", tmp_path / "other"
+    tiny_llama().save_pretrained(str(base))
+    tiny_llama(seed=1).save_pretrained(str(other))
+    checkpoint = root / "two" / "checkpoint-10"
+    assert main(["merge", str(checkpoint), str(tmp_path / "no_base")]) == 2  # adapters alone are not a model
+    assert "holds LoRA adapters only; pass --merge-lora --base DIR" in capsys.readouterr().err
+    assert main(["merge", str(checkpoint), str(tmp_path / "wrong"), "--merge-lora", "--base", str(other)]) == 2
+    assert "was trained on base LlamaForCausalLM with frozen weights" in capsys.readouterr().err
+    assert not (tmp_path / "wrong").exists() or not any((tmp_path / "wrong").iterdir())
+    assert main(["merge", str(checkpoint), str(tmp_path / "merged"), "--merge-lora", "--base", str(base)]) == 0
+    probe = torch.load(root / "two" / "probe.pt")
+    merged = LlamaForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    with torch.no_grad():
+        logits = merged(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    keep = probe["attention_mask"].bool()
+    assert (logits[keep] - probe["logits"][keep]).abs().max().item() < 1e-5

@@ -143,12 +143,15 @@ class CheckpointManager:
         save_total_limit: keep at most this many checkpoints (the best one is never deleted).
         frozen_base: for adapter training (LoRA): `frozen_identity` of the model before sharding. Checkpoints then
             hold the trainable parameters only, and loading one trained on another base is refused.
+        extra_files: name -> text, written into every checkpoint by rank 0 (e.g. adapter_config.json).
     """
 
     def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
-                 save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None) -> None:
+                 save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None,
+                 extra_files: dict[str, str] | None = None) -> None:
         self.output_dir = Path(output_dir)
+        self.extra_files = dict(extra_files or {})
         self.frozen_base = frozen_base
         self._options = StateDictOptions(ignore_frozen_params=frozen_base is not None)
         # loading an adapter checkpoint leaves the frozen base as it is (its keys are absent by design)
@@ -223,6 +226,8 @@ class CheckpointManager:
             (tmp / TIED_FILE).write_text(json.dumps(tied_aliases(self.model)))
             if self.frozen_base is not None:
                 (tmp / BASE_FILE).write_text(json.dumps(self.frozen_base, indent=2))
+            for name, text in self.extra_files.items():
+                (tmp / name).write_text(text)
             if self.scheduler is not None and not model_only:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / STATE_FILE)

@@ -1,7 +1,13 @@
 """`shardtrain merge CHECKPOINT_DIR OUTPUT_DIR`: a sharded checkpoint -> the full safetensors layout.
 
+    shardtrain merge out/checkpoint-500 out/model
+    shardtrain merge out/checkpoint-500 out/merged --merge-lora --base path/to/base   # LoRA: adapters folded in
+
 Offline and single-process: no process group, no GPU. Reads DCP's metadata to size every tensor, loads the
 shards with `torch.distributed.checkpoint.load(no_dist=True)`, and writes what `Trainer.save_model` writes.
+A LoRA checkpoint holds the adapters only: `--merge-lora --base DIR` loads the base model from DIR (refused
+unless its frozen weights hash to the checkpoint's `base_model.json`), adds the adapters of the checkpoint's
+`adapter_config.json`, and writes the model with them merged (peft's `merge_and_unload`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import read_full_checkpoint, write_full_checkpoint
-from shardtrain.checkpoint.layout import SHARDED_DIR
+from shardtrain.checkpoint.layout import BASE_FILE, SHARDED_DIR
 from shardtrain.checkpoint.manager import checkpoint_kind
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 
@@ -45,12 +51,18 @@ def load_sharded_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     return model
 
 
-def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> Path:
+def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *,
+                     lora_base: str | Path | None = None) -> Path:
     """Write `checkpoint_dir`'s model as config.json + safetensors into `output_dir` (created if needed).
+
+    Args:
+        lora_base: for a LoRA checkpoint (adapters only), the directory of its base model; the output is the base
+            with the adapters merged in.
 
     Raises:
         FileNotFoundError: `checkpoint_dir` does not exist.
-        CheckpointError: not a shardtrain checkpoint, or damaged; `output_dir` is non-empty.
+        CheckpointError: not a shardtrain checkpoint, or damaged; `output_dir` is non-empty; a LoRA checkpoint
+            without `lora_base`, or a base that is not the one the adapters were trained on.
     """
     source, out = Path(checkpoint_dir), Path(output_dir)
     if not source.is_dir():
@@ -58,7 +70,14 @@ def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> Path
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"output directory {out} is not empty; choose a new directory (nothing was written)")
     kind = checkpoint_kind(source)
+    has_adapters = (source / BASE_FILE).is_file()
+    if has_adapters != (lora_base is not None):
+        raise CheckpointError(
+            f"{source} holds LoRA adapters only; pass --merge-lora --base DIR (the base model they were trained on)"
+            if has_adapters else f"{source} holds a whole model, not LoRA adapters; drop --merge-lora / --base")
     state = load_sharded_model(source) if kind == "SHARDED_STATE_DICT" else read_full_checkpoint(source)
+    if has_adapters:
+        return _merge_adapters(source, state, Path(lora_base), out)
     config_file = source / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else None
     aliases_file = source / "tied_weights.json"
@@ -68,3 +87,27 @@ def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> Path
     write_full_checkpoint(state, out, config)
     return out
 
+
+
+def _merge_adapters(source: Path, adapters: dict[str, torch.Tensor], base_dir: Path, out: Path) -> Path:
+    """Base from `base_dir` + the checkpoint's adapters -> merged model in `out`."""
+    from peft import PeftConfig, get_peft_model
+
+    from shardtrain.checkpoint.model_state import base_problem, frozen_identity, model_config_dict
+    from shardtrain.parallel.loading import model_class_from_config
+
+    if not (base_dir / "config.json").is_file():
+        raise CheckpointError(f"--base {base_dir} has no config.json; pass the base model's directory")
+    base = model_class_from_config(base_dir).from_pretrained(str(base_dir), dtype=torch.float32)
+    model = get_peft_model(base, PeftConfig.from_pretrained(str(source)))
+    problem = base_problem(source, frozen_identity(model))
+    if problem is not None:
+        raise CheckpointError(f"cannot merge: {problem}")
+    _, unexpected = model.load_state_dict(adapters, strict=False)
+    absent = [name for name, param in model.named_parameters() if param.requires_grad and name not in adapters]
+    if unexpected or absent:
+        raise CheckpointError(f"{source} does not fit the adapted base: unexpected {unexpected[:3]}, missing "
+                              f"{absent[:3]}; was it written with this adapter_config.json?")
+    merged = model.merge_and_unload()
+    write_full_checkpoint(merged.state_dict(), out, model_config_dict(merged))
+    return out

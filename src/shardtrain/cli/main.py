@@ -3,6 +3,7 @@
     shardtrain config                                  # write $SHARDTRAIN_HOME/default_config.yaml
     shardtrain launch [flags] train.py [script args]   # run on N processes / M machines
     shardtrain merge CHECKPOINT_DIR OUTPUT_DIR         # sharded checkpoint -> safetensors
+    shardtrain merge CKPT OUT --merge-lora --base DIR  # LoRA checkpoint + its base -> merged model
     shardtrain report OUTPUT_DIR                       # report.png from OUTPUT_DIR/metrics.jsonl
     shardtrain env                                     # versions, backends, devices, config
     python -m shardtrain.cli.main ...                  # same, without the console script
@@ -28,7 +29,9 @@ def run_merge(args: argparse.Namespace) -> int:
     from shardtrain.checkpoint.merge import merge_checkpoint
 
     try:
-        merge_checkpoint(args.checkpoint_dir, args.output_dir)
+        if args.merge_lora != (args.base is not None):
+            raise ValueError("--merge-lora and --base DIR go together: the base model the adapters were trained on")
+        merge_checkpoint(args.checkpoint_dir, args.output_dir, lora_base=args.base)
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -56,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge.add_argument("checkpoint_dir", help="checkpoint directory (e.g. output/checkpoint-500)")
     merge.add_argument("output_dir", help="where the merged safetensors model goes")
+    merge.add_argument("--merge-lora", action="store_true", help="a LoRA checkpoint: merge its adapters into --base")
+    merge.add_argument("--base", help="with --merge-lora: the base model directory the adapters were trained on")
     merge.set_defaults(func=run_merge)
     report = subparsers.add_parser("report", help="draw report.png (loss, learning rate, grad norm, throughput "
                                                   "and memory) from a run's metrics.jsonl", allow_abbrev=False)

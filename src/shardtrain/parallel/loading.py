@@ -21,7 +21,8 @@ from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.fsdp import apply_fsdp
 
 
-def _model_class(path: Path) -> type:
+def model_class_from_config(path: Path) -> type:
+    """The transformers class named by `path`/config.json's `architectures` (default AutoModelForCausalLM)."""
     config = json.loads((path / "config.json").read_text())
     for name in config.get("architectures") or []:
         cls = getattr(transformers, name, None)
@@ -46,7 +47,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_c
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; pass a directory saved by save_pretrained/save_model")
-    cls = model_class or _model_class(path)
+    cls = model_class or model_class_from_config(path)
     device = device or torch.device("cpu")
     config = fsdp_config
     if config is None or not config.cpu_ram_efficient_loading:

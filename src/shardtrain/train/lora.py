@@ -13,6 +13,7 @@ of the frozen weights, computed once before sharding), so resuming on a differen
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 from shardtrain.errors import UserError
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's file name
 
 
 class PeftError(UserError, ValueError):
@@ -54,6 +57,21 @@ def add_adapters(model: nn.Module, peft_config: Any) -> nn.Module:
         raise PeftError("Trainer got a PeftModel and a peft_config; pass one of them (the PeftModel already has "
                         "its adapters)")
     return peft.get_peft_model(model, peft_config)
+
+
+def adapter_files(model: nn.Module) -> dict[str, str]:
+    """Files every adapter checkpoint carries: adapter_config.json (what `shardtrain merge --merge-lora` and peft
+    need to rebuild the adapted model); empty for a model without adapters."""
+    if not is_peft_model(model):
+        return {}
+    config = model.peft_config[model.active_adapter].to_dict()
+    return {ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True, default=_jsonable)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, set | frozenset | tuple):
+        return sorted(value) if isinstance(value, set | frozenset) else list(value)
+    return str(value)
 
 
 def write_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], out: Path) -> None:

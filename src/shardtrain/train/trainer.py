@@ -49,7 +49,7 @@ from shardtrain.train.data import (
     passthrough,
 )
 from shardtrain.train.logging import MetricsLogger
-from shardtrain.train.lora import PeftError, add_adapters, is_peft_model
+from shardtrain.train.lora import PeftError, adapter_files, add_adapters, is_peft_model
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
 from shardtrain.train.preflight import PreflightMixin
@@ -233,7 +233,7 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                                         scheduler=self.lr_scheduler,
                                         state_dict_type=self.args.fsdp_config.state_dict_type,
                                         save_total_limit=self.args.save_total_limit,
-                                        frozen_base=self._frozen_base)
+                                        frozen_base=self._frozen_base, extra_files=adapter_files(self.model))
             self._checkpoint_manager = manager
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
