@@ -35,7 +35,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     torchrun(WORKER, 2, json.dumps([_job(root / "two", 4),
                                     {"out": str(root / "two_ac"), "per_device_train_batch_size": 4, "lora": True,
-                                     "fsdp_config": {"activation_checkpointing": True}}]))
+                                     "fsdp_config": {"activation_checkpointing": True}},
+                                    {"out": str(root / "two_gc"), "per_device_train_batch_size": 4,
+                                     "peft_model": True, "gradient_checkpointing": True},
+                                    {"out": str(root / "two_bf16"), "per_device_train_batch_size": 4, "lora": True,
+                                     "base_bf16": True, "bf16": True, "max_steps": 2}]))
     two_again = _resume_dir(root, "resumed2", root / "two")
     on1 = _resume_dir(root, "on1", root / "two")
     torchrun(WORKER, 2, json.dumps([{**_job(two_again, 4), "resume": True}]))
@@ -53,7 +57,8 @@ def test_two_ranks_equal_one_process_and_the_base_stays_frozen(runs):
     root, _ = runs
     one, two = _result(root, "one"), _result(root, "two")
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0)
-    assert _result(root, "two_ac")["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0)  # frozen base + AC
+    for name in ("two_ac", "two_gc"):  # frozen base with activation / gradient checkpointing; a PeftModel given
+        assert _result(root, name)["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0), name
     assert len(set(one["losses"])) == 10
     w1, w2 = torch.load(root / "one" / "weights.pt"), torch.load(root / "two" / "weights.pt")
     lora_keys = sorted(k for k in w1 if "lora_" in k)
@@ -139,3 +144,20 @@ def test_merge_lora_checkpoint_with_its_base(runs, tmp_path, capsys):
         logits = merged(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     keep = probe["attention_mask"].bool()
     assert (logits[keep] - probe["logits"][keep]).abs().max().item() < 1e-5
+
+
+def test_bf16_base_keeps_fp32_adapters(runs):
+    root, _ = runs
+    result = _result(root, "two_bf16")
+    assert result["param_dtypes"] == {"trainable": ["torch.float32"], "frozen": ["torch.bfloat16"]}
+    assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])  # trains, no NaN
+
+
+def test_missing_peft_is_one_clear_error(monkeypatch):
+    import sys
+
+    from shardtrain.train.lora import PeftError, add_adapters
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
+    with pytest.raises(PeftError, match=r"pip install 'shardtrain\[peft\]'"):
+        add_adapters(tiny_llama(), object())

@@ -12,7 +12,8 @@ the background writes of every save that much later, so training runs on while t
 full state dict goes to OUT/weights.pt), "predict" (predict() on the eval set, with a token-accuracy
 compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and predict the fresh model),
 "lora" (LoRA r=8 on q_proj/v_proj through peft_config), "save_merged" (dir: save_model(merge_adapters=True)),
-"model_seed" (the tiny Llama's initialisation seed, default 0).
+"model_seed" (the tiny Llama's initialisation seed, default 0), "base_bf16" (the model cast to bf16 first),
+"peft_model" (the model wrapped with get_peft_model before the Trainer sees it).
 Rank 0 writes OUT/result.json.
 """
 
@@ -114,6 +115,14 @@ def run_job(knobs: dict) -> None:
     weights, predict = knobs.pop("weights", False), knobs.pop("predict", False)
     eval_only = knobs.pop("eval_only", False)
     peft_config = None
+    if knobs.pop("base_bf16", False):  # the frozen base stored in bf16 (adapters stay fp32)
+        model.to(torch.bfloat16)
+    if knobs.pop("peft_model", False):  # a PeftModel given to the Trainer (instead of peft_config)
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(42)  # the RNG state the Trainer adds peft_config's adapters under (seed 42)
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
     if knobs.pop("lora", False):
         from peft import LoraConfig
 
@@ -165,7 +174,10 @@ def run_job(knobs: dict) -> None:
             "steps": [e["step"] for e in train_logs], "losses": [e["loss"] for e in train_logs],
             "grad_norms": [e["grad_norm"] for e in train_logs], "lrs": [e["learning_rate"] for e in train_logs],
             "eval_loss": metrics["eval_loss"], "global_step": state.global_step,
-            "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))}}))
+            "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))},
+            "param_dtypes": {kind: sorted({str(p.dtype) for p in trainer.model.parameters()
+                                           if p.requires_grad == (kind == "trainable")})
+                             for kind in ("trainable", "frozen")}}))
 
 
 def main() -> None:
