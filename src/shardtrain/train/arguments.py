@@ -114,6 +114,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
     cp_size: int | None = None
     sp_size: int = 1
     tp_size: int | None = None
+    tp_plan: dict | None = None
     ep_size: int | None = None
     save_async: bool = False
     # as Hugging Face's Seq2SeqTrainingArguments
@@ -329,13 +330,21 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         if self.cp_size > 1 and self.sp_size > 1:
             self._fail("cp_size", f"= {self.cp_size} and sp_size = {self.sp_size} are both > 1; choose context "
                        "parallelism or Ulysses sequence parallelism, not both")
-        for name in ("sp_size", "tp_size", "ep_size"):
+        for name in ("sp_size", "ep_size"):
             if getattr(self, name) > 1:
                 self._fail(name, f"= {getattr(self, name)} is not supported by this version of shardtrain yet "
-                           "(data and context parallelism only); set it to 1")
-        if self.cp_size > 1 and not self.fsdp_enabled:
-            self._fail("cp_size", f"= {self.cp_size} needs FSDP (context parallelism shards the model over the cp "
-                       "ranks too); set fsdp=True or start with shardtrain launch --fsdp")
+                           "(data, context and tensor parallelism only); set it to 1")
+        for name in ("cp_size", "tp_size"):
+            if getattr(self, name) > 1 and not self.fsdp_enabled:
+                self._fail(name, f"= {getattr(self, name)} needs FSDP (the rest of the model is sharded over the "
+                           "data-parallel ranks); set fsdp=True or start with shardtrain launch --fsdp")
+        if self.cp_size > 1 and self.tp_size > 1:
+            self._fail("cp_size", f"= {self.cp_size} with tp_size = {self.tp_size}: context and tensor parallelism "
+                       "together are not tested yet; use one of them")
+        if self.tp_plan is not None and not (isinstance(self.tp_plan, dict) and
+                                             all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in self.tp_plan.items())):
+            self._fail("tp_plan", f"must be a dict of module-name pattern -> style string, got {self.tp_plan!r}")
         if self.save_only_model and self.fsdp_enabled and config.state_dict_type == "SHARDED_STATE_DICT":
             self._fail("save_only_model", "cannot be used with fsdp_config 'state_dict_type': SHARDED_STATE_DICT "
                        "(a sharded checkpoint without optimizer state cannot resume); use FULL_STATE_DICT or "
@@ -370,13 +379,14 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
 
 
 IMPLEMENTED = {f.name for f in dataclasses.fields(_ImplementedArguments) if f.init}
-OURS = {"cp_size", "sp_size", "tp_size", "ep_size", "save_async", "predict_with_generate", "generation_max_length",
-        "generation_num_beams"}
+OURS = {"cp_size", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async", "predict_with_generate",
+        "generation_max_length", "generation_num_beams"}
 NOTES = {
     "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see README)",
     "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp sizes",
     "sp_size": "Ulysses sequence-parallel size (refused above 1)",
-    "tp_size": "tensor-parallel size (refused above 1 until tensor parallelism lands)",
+    "tp_size": "tensor-parallel size: the model's own TP plan on the tp mesh, FSDP over the rest (see README)",
+    "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",
     "ep_size": "expert-parallel size (refused above 1 until expert parallelism lands)",
     "save_async": "write checkpoints in the background (DCP async save)",
     "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",

@@ -44,13 +44,14 @@ class EvalLoop:
                  dp_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
                  on_step: Callable[[], None] | None = None, cp: ContextParallel | None = None,
                  prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
-                 generate: Callable[[dict], tuple[list, list]] | None = None) -> None:
+                 generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
         self.cp, self.prepare = cp, prepare  # prepare: the Trainer's collated batch -> model inputs
         self.loss_group = loss_group  # where (loss sum, token count) add up: the `loss` mesh
         self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
+        self.collects = collects  # whether this rank's predictions are gathered (one rank per cp x tp group)
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -78,7 +79,7 @@ class EvalLoop:
                     totals[1] += self.loss.items(inputs).double()
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
-                collects = self.cp is None or self.cp.rank == 0  # one rank of each cp group
+                collects = self.collects
                 if with_predictions and self.generate is not None:
                     generated, answers = self.generate(batch)  # every rank: FSDP's gathers need all of them
                     if collects:

@@ -52,15 +52,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, t
 
 
 def _replication(grad: torch.Tensor, world_size: int) -> int:
-    """On how many ranks this exact local gradient lives (DTensor Replicate dims; plain tensors: all ranks)."""
+    """On how many ranks this exact local gradient lives: the DTensor's Replicate dims, times the copies of its
+    mesh in the world (an FSDP-only parameter lives on every tensor-parallel rank); plain tensors: all ranks."""
     if not isinstance(grad, DTensor):
         return world_size
     mesh = grad.device_mesh
-    return math.prod(mesh.size(dim) for dim, p in enumerate(grad.placements) if p.is_replicate())
+    replicated = math.prod(mesh.size(dim) for dim, p in enumerate(grad.placements) if p.is_replicate())
+    return replicated * (world_size // mesh.size())
 
 
 def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: torch.Tensor, grad_divisor: float,
-                             max_norm: float, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                             max_norm: float, world_size: int, count_copies: int = 1) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
     """Turn gradients of a token *sum* into gradients of the token *mean*, and clip them, with one all-reduce.
 
     The gradients hold d(sum of token losses over all ranks) / `grad_divisor`. The number of target tokens
@@ -75,6 +78,7 @@ def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: t
         grad_divisor: what the gradients were divided by (backward scale and FSDP's data-parallel average).
         max_norm: clip the gradient norm to this; <= 0: no clipping.
         world_size: ranks in the default process group.
+        count_copies: on how many ranks each count is made (tensor-parallel ranks share their batch).
 
     Returns:
         (total gradient 2-norm of the mean loss before clipping, the summed counts).
@@ -93,6 +97,8 @@ def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: t
     totals = torch.cat([sumsq.view(1), local_counts.to(torch.float64)])
     if world_size > 1:
         dist.all_reduce(totals)
+    if count_copies > 1:
+        totals[1:] /= count_copies
     to_mean = grad_divisor / totals[1].clamp(min=1)
     norm = totals[0].sqrt() * to_mean
     factor = to_mean

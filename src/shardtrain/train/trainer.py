@@ -37,6 +37,7 @@ from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.loading import load_pretrained
+from shardtrain.parallel.tensor import apply_tp
 from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
 from shardtrain.train.data import (
     BatchPlan,
@@ -157,6 +158,9 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             model = add_adapters(model, peft_config)
         if is_peft_model(model):
             self._frozen_base = frozen_identity(model)  # before sharding: full tensors, any world size
+        if isinstance(model, str | os.PathLike) and self.dims.tp > 1:
+            raise TrainingArgumentsError(f"tp_size = {self.dims.tp} with a model path: load the model first (e.g. "
+                                         "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
         if isinstance(model, str | os.PathLike):
             model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
                                     mixed_precision=args.mixed_precision, device=self.device)
@@ -169,6 +173,11 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         if args.fsdp_enabled:
             if not isinstance(model, FSDPModule):
                 model.to(self.device)
+                if self.dims.tp > 1:  # torchtitan's order: tensor parallel, then checkpointing and FSDP
+                    if self._frozen_base is not None:
+                        raise PeftError(f"tp_size = {self.dims.tp} with LoRA adapters is not supported yet; train "
+                                        "the adapters with data (and context) parallelism, tp_size 1")
+                    apply_tp(model, self.meshes.tp, args.tp_plan)
                 apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision)
             return model
         model.to(self.device)
@@ -398,7 +407,8 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         # the global ones: each context-parallel rank counts the targets of its part of the sequences only.
         divisor = global_samples * (self.dims.grad_average_size if fsdp else 1)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), self.loss.local_counts(batches),
-                                                     divisor, self.args.max_grad_norm, self.world_size)
+                                                     divisor, self.args.max_grad_norm, self.world_size,
+                                                     count_copies=self.dims.tp)
         tokens, input_tokens = (int(c) for c in counts.tolist())
         if tokens == 0:  # every rank knows the global count: all raise together, before a useless update
             raise DataError(f"the global batch of step {self.state.global_step + 1} has no target token (every "

@@ -96,13 +96,20 @@ class TrainerAPIMixin:
                         seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"), cp=self.cp,
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
                         loss_group=self.meshes.loss.get_group(),
-                        generate=self._generate_batch if self.args.predict_with_generate else None)
+                        generate=self._generate_batch if self.args.predict_with_generate else None,
+                        collects=self._collects_predictions)
         output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
         steps = -(-len(dataset) // (self.args.per_device_eval_batch_size * self.dims.batch_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
         return output
+
+    @property
+    def _collects_predictions(self) -> bool:
+        """One rank of each group that shares its samples (cp and tp ranks) contributes the predictions."""
+        coords = self.dims.rank_coords(self.rank)
+        return coords["cp"] == 0 and coords["tp"] == 0
 
     def _generate_batch(self, batch: dict) -> tuple[list, list]:
         """predict_with_generate: (generated answers, reference answers) of a collated batch (collective)."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
-from tiny_models import tiny_llama, variable_length_dataset
+from tiny_models import tiny_gpt2, tiny_llama, variable_length_dataset
 
 from shardtrain import Trainer, TrainingArguments
 from shardtrain.errors import UserError
@@ -38,6 +38,19 @@ def args(out: Path, **kw) -> TrainingArguments:
 
 def train(out: Path, data=DATA, resume=None, model=None, **kw) -> None:
     Trainer(model or tiny_llama(), args(out, **kw), train_dataset=data).train(resume_from_checkpoint=resume)
+
+
+def tiny_llama_one_kv_head():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64))
+
+
+def lora_llama():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"]))
 
 
 def tiny_bert_classifier():
@@ -126,7 +139,21 @@ case("args_parallelism_typo", "arguments", ["cp_sise", "cp_size"],
      lambda out: args(out, parallelism_config={"parallelism_config_cp_sise": 2}))
 case("args_cp_alltoall", "arguments", ["cp_comm_strategy", "alltoall", "allgather"],
      lambda out: args(out, parallelism_config={"cp_size": 2, "cp_comm_strategy": "alltoall"}))
-case("args_tp_size", "arguments", ["tp_size"], lambda out: args(out, tp_size=2))
+case("args_ep_size", "arguments", ["ep_size"], lambda out: args(out, ep_size=2))
+case("args_cp_and_tp", "arguments", ["cp_size", "tp_size"], lambda out: args(out, cp_size=2, tp_size=2))
+case("args_tp_plan_type", "arguments", ["tp_plan"], lambda out: args(out, tp_plan=["colwise"]))
+case("parallel_tp_not_dividing", "parallelism", ["tp_size=3", "3 does not divide the 2 ranks"],
+     lambda out: train(out, tp_size=3))
+case("parallel_tp_bad_style", "parallelism", ["packed_colwise", "model.layers.*.mlp.down_proj", "colwise"],
+     lambda out: train(out, tp_size=2, tp_plan={"model.layers.*.mlp.down_proj": "packed_colwise"}))
+case("parallel_tp_no_match", "parallelism", ["model.layer.*.mlp", "matches no module"],
+     lambda out: train(out, tp_size=2, tp_plan={"model.layer.*.mlp": "colwise"}))
+case("parallel_tp_heads", "parallelism", ["tp_size = 2", "num_key_value_heads = 1"],
+     lambda out: train(out, tp_size=2, model=tiny_llama_one_kv_head()))
+case("parallel_tp_no_plan", "parallelism", ["tp_size = 2", "GPT2LMHeadModel", "tp_plan"],
+     lambda out: train(out, tp_size=2, model=tiny_gpt2(dropout=0.0)))
+case("parallel_tp_lora", "parallelism", ["tp_size = 2", "LoRA"],
+     lambda out: train(out, tp_size=2, model=lora_llama()))
 case("args_cp_without_fsdp", "arguments", ["cp_size", "fsdp"], lambda out: args(out, cp_size=2, fsdp=""))
 case("parallel_cp_not_dividing", "parallelism", ["cp_size", "3", "divide", "2 ranks"],
      lambda out: train(out, cp_size=3))

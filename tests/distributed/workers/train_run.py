@@ -13,7 +13,8 @@ full state dict goes to OUT/weights.pt), "predict" (predict() on the eval set, w
 compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and predict the fresh model),
 "lora" (LoRA r=8 on q_proj/v_proj through peft_config), "save_merged" (dir: save_model(merge_adapters=True)),
 "model_seed" (the tiny Llama's initialisation seed, default 0), "base_bf16" (the model cast to bf16 first),
-"peft_model" (the model wrapped with get_peft_model before the Trainer sees it).
+"peft_model" (the model wrapped with get_peft_model before the Trainer sees it), "generate" (greedy tokens
+from a fixed prompt after training go to result.json).
 Rank 0 writes OUT/result.json.
 """
 
@@ -114,6 +115,7 @@ def run_job(knobs: dict) -> None:
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
     weights, predict = knobs.pop("weights", False), knobs.pop("predict", False)
     eval_only = knobs.pop("eval_only", False)
+    knobs_generate = knobs.pop("generate", False)
     peft_config = None
     if knobs.pop("base_bf16", False):  # the frozen base stored in bf16 (adapters stay fp32)
         model.to(torch.bfloat16)
@@ -150,6 +152,14 @@ def run_job(knobs: dict) -> None:
         if trainer.rank == 0:
             torch.save({"predictions": torch.from_numpy(output.predictions),
                         "label_ids": torch.from_numpy(output.label_ids), "metrics": output.metrics}, out / "predict.pt")
+    generated = None
+    if knobs_generate:
+        prompt = torch.tensor([[5, 9, 14, 3]])
+        trainer.model.eval()
+        with torch.no_grad():
+            generated = trainer.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                               max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                               pad_token_id=0)[0].tolist()
     if weights:
         from shardtrain.checkpoint.model_state import full_model_state
 
@@ -175,6 +185,7 @@ def run_job(knobs: dict) -> None:
             "grad_norms": [e["grad_norm"] for e in train_logs], "lrs": [e["learning_rate"] for e in train_logs],
             "eval_loss": metrics["eval_loss"], "global_step": state.global_step,
             "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))},
+            "generated": generated,
             "param_dtypes": {kind: sorted({str(p.dtype) for p in trainer.model.parameters()
                                            if p.requires_grad == (kind == "trainable")})
                              for kind in ("trainable", "frozen")}}))

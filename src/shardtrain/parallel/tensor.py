@@ -1,0 +1,124 @@
+"""Tensor parallelism for dense models: the model's own plan, applied with PyTorch's `parallelize_module`.
+
+    apply_tp(model, meshes.tp)                        # before apply_fsdp (order: TP -> checkpointing -> FSDP)
+    apply_tp(model, meshes.tp, {"layers.*.mlp.down_proj": "rowwise", ...})
+
+The plan is transformers' (`config.base_model_tp_plan` under the base model, `_tp_plan` for `lm_head`): module-name
+patterns (`*` matches one name) -> style strings. Each string becomes the PyTorch `ParallelStyle` with the layouts
+transformers' own registry gives it (`transformers/distributed/tensor_parallel.py`), so the sharding is the one
+the model authors planned, but the parameters are plain PyTorch DTensors on our `tp` mesh: FSDP2 shards them over
+the `fsdp` mesh as 2-D DTensors, DCP saves and reshards them, and a run resumes (transformers' own TP path is tied
+to `from_pretrained(tp_plan=...)` and cannot resume). Styles that need model-specific code (`packed_colwise`,
+expert styles) are refused by name. Tied input/output embeddings are left replicated (one weight, two modules).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from shardtrain.errors import UserError
+
+
+class TensorParallelError(UserError, ValueError):
+    """A model or plan tensor parallelism cannot run; the message names it and the fix."""
+
+
+def _style(name: str) -> ParallelStyle | None:
+    """PyTorch's ParallelStyle for a transformers plan string (transformers' layouts), None if unsupported."""
+    styles = {
+        "colwise": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1)),
+        "colwise_gather_output": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "colwise_rep": lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "rowwise": lambda: RowwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # nn.Embedding under RowwiseParallel: vocabulary rows sharded, masked lookup, partial sums all-reduced
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    }
+    make = styles.get(name)
+    return make() if make is not None else None
+
+
+SUPPORTED_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_split_input", "rowwise_rep",
+                    "embedding_rowwise")
+
+
+def model_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own plan with full module names: `base_model_tp_plan` (under the base model) + `_tp_plan`."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    has_prefix = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+    for pattern, style in base_plan.items():
+        plan[f"{prefix}.{pattern}" if has_prefix else pattern] = style
+    plan.update(getattr(model, "_tp_plan", None) or {})
+    return plan
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
+
+
+def check_tp_sizes(model: nn.Module, tp: int) -> None:
+    """Refuse a `tp` that does not divide the attention heads, K/V heads or the MLP width.
+
+    Raises:
+        TensorParallelError: naming the size that `tp` does not divide.
+    """
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_size"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value % tp:
+            raise TensorParallelError(f"tp_size = {tp} does not divide the model's {key} = {value}; choose a tp_size "
+                                      f"that divides it")
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = None) -> dict[str, str]:
+    """Shard `model`'s planned linear layers over the 1-D `tp` mesh, in place; returns {module name: style}.
+
+    Raises:
+        TensorParallelError: no plan, an unsupported style, a pattern that matches nothing, or sizes `tp`
+            does not divide.
+    """
+    plan = dict(plan) if plan is not None else model_tp_plan(model)
+    if not plan:
+        raise TensorParallelError(
+            f"tp_size = {mesh.size()}: {type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan / "
+            f"_tp_plan); pass one as TrainingArguments(tp_plan={{'model.layers.*.self_attn.q_proj': 'colwise', ...}})")
+    check_tp_sizes(model, mesh.size())
+    tied = _tied_embeddings(model)
+    chosen: dict[str, Any] = {}
+    names = [name for name, _ in model.named_modules()]
+    for pattern, style_name in plan.items():
+        style = _style(style_name)
+        if style is None:
+            raise TensorParallelError(f"tensor-parallel plan entry {pattern!r}: style {style_name!r} is not supported; "
+                                      f"use one of {list(SUPPORTED_STYLES)}")
+        found = [name for name in names if _matches(pattern, name)]
+        if not found:
+            raise TensorParallelError(f"tensor-parallel plan entry {pattern!r} matches no module of "
+                                      f"{type(model).__name__}; module names look like {names[1:4]}")
+        for name in found:
+            if name in tied:
+                continue  # one weight in two modules: left replicated
+            chosen[name] = (style, style_name)
+    parallelize_module(model, mesh, {name: style for name, (style, _) in chosen.items()})
+    return {name: style_name for name, (_, style_name) in chosen.items()}
+
+
+def _tied_embeddings(model: nn.Module) -> set[str]:
+    """Names of the input embedding and the head when they share their weight (else empty)."""
+    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    if not callable(get_out) or not callable(get_in):
+        return set()
+    head, embed = get_out(), get_in()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return set()
+    return {name for name, module in model.named_modules() if module is head or module is embed}
