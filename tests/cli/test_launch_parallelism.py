@@ -1,5 +1,6 @@
-"""`shardtrain launch` with context parallelism, from flags and from an Accelerate YAML `parallelism_config`
-block: run_clm.py on 4 ranks (dp_shard 2 x cp 2) logs the losses and evaluation of 2 ranks without cp."""
+"""`shardtrain launch` with context parallelism (from flags and from an Accelerate YAML `parallelism_config`
+block) and tensor parallelism (flags): run_clm.py on 4 ranks (dp_shard 2 x cp 2, dp_shard 2 x tp 2) logs the
+losses and evaluation of 2 data-parallel ranks."""
 
 import json
 import subprocess
@@ -50,6 +51,8 @@ def runs(tmp_path_factory):
     config = root / "accelerate.yaml"
     config.write_text(textwrap.dedent(ACCELERATE_YAML))
     _launch(home, root / "yaml", "--config_file", config)
+    _launch(home, root / "tp", "--cpu", "--num_processes", 4, "--use_parallelism_config",
+            "--parallelism_config_tp_size", 2)
     return root
 
 
@@ -58,8 +61,8 @@ def _losses(run: Path) -> list[float]:
     return [e["loss"] for e in history if "loss" in e]
 
 
-@pytest.mark.parametrize("how", ["flags", "yaml"])
-def test_cp_launch_equals_data_parallel_run(runs, how):
+@pytest.mark.parametrize("how", ["flags", "yaml", "tp"])
+def test_cp_and_tp_launch_equal_data_parallel_run(runs, how):
     ref, got = _losses(runs / "dp2"), _losses(runs / how)
     assert len(ref) == 6 and len(set(ref)) == 6
     assert got == pytest.approx(ref, abs=1e-5, rel=0)
@@ -69,7 +72,8 @@ def test_cp_launch_equals_data_parallel_run(runs, how):
     assert got_eval["eval_loss"] == pytest.approx(ref_eval["eval_loss"], abs=1e-5)
     assert got_eval["eval_accuracy"] == pytest.approx(ref_eval["eval_accuracy"], abs=1e-9)
     args = json.loads((runs / how / "training_args.json").read_text())
-    assert args["cp_size"] == 2 and args["parallel_sizes"]["cp_size"] == 2
+    size = "tp_size" if how == "tp" else "cp_size"
+    assert args[size] == 2 and args["parallel_sizes"][size] == 2
 
 
 def test_cp_size_not_dividing_the_processes_is_refused_before_start(tmp_path):
