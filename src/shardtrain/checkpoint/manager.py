@@ -1,4 +1,4 @@
-"""`CheckpointManager`: save / load / latest / close over the model, optimizer, scheduler and trainer state.
+"""`CheckpointManager`: save / save_async / load / resumable / close over model, optimizer, scheduler, state.
 
 Layout of `output_dir/checkpoint-<step>/`:
     config.json                     model config (what `merge` and `from_pretrained` need)
@@ -21,9 +21,6 @@ import errno
 import json
 import os
 import shutil
-import signal
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from shardtrain.checkpoint.async_save import (
-    AlreadyStaged,
-    InFlightSave,
-    ReusableStager,
-    background_job,
-    checkpoint_group,
-    gather_full,
-    gatherable,
-    private_copy,
-)
+from shardtrain.checkpoint.async_manager import AsyncSaveMixin
 from shardtrain.checkpoint.errors import CheckpointError
+from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
 from shardtrain.checkpoint.layout import (  # noqa: F401 (PREFIX, SHARDED_DIR, ...: re-exported for the Trainer)
     BASE_FILE,
@@ -78,7 +66,6 @@ from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
     tied_aliases,
 )
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
-from shardtrain.config import env
 from shardtrain.parallel.distributed import barrier
 
 
@@ -90,14 +77,6 @@ def checkpoint_kind(path: Path) -> str:
         return "FULL_STATE_DICT"
     raise CheckpointError(f"{path} holds no model (no sharded/ and no model.safetensors); pass a checkpoint-<step> "
                           "directory written by shardtrain")
-
-
-def _fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash-safety tests: SHARDTRAIN_FAULT="<name>:<rank>:<step>" SIGKILLs that rank
-    when it reaches `name` while saving `step`, on the first attempt only (not after a torchrun restart)."""
-    if os.environ.get(env.FAULT) == f"{name}:{dist.get_rank()}:{step}" and \
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _disk_full(error: BaseException | None, directory: Path) -> bool:
@@ -133,7 +112,7 @@ class _AgreedFailure(CheckpointError):
     agreed = True
 
 
-class CheckpointManager:
+class CheckpointManager(AsyncSaveMixin):
     """Saves and restores a training run. All ranks call every method (they are collective).
 
     Args:
@@ -160,12 +139,7 @@ class CheckpointManager:
         self.state_dict_type = state_dict_type
         self.save_total_limit = save_total_limit
         self.rank = dist.get_rank()
-        # save_async only: created at the first async save, kept for the life of the manager
-        self._group: dist.ProcessGroup | None = None  # DCP's collectives
-        self._gather_group: dist.ProcessGroup | None = None  # FULL_STATE_DICT's model gather
-        self._stager: ReusableStager | None = None
-        self._worker: ThreadPoolExecutor | None = None
-        self._in_flight: InFlightSave | None = None
+        self._init_async()
 
     # -- public API -----------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, model_only: bool = False) -> Path:
@@ -179,7 +153,7 @@ class CheckpointManager:
         """
         final, tmp = self._start_save(step)
         self._all_ok(lambda: self._write(tmp, state, model_only), tmp, step)
-        _fault_point("before_commit", step)
+        fault_point("before_commit", step)
         self._all_ok(lambda: self._commit(tmp, final, step, state.best_model_checkpoint) if self.rank == 0 else None,
                      tmp, step)
         return final
@@ -194,7 +168,7 @@ class CheckpointManager:
             tmp.mkdir()
 
         self._all_ok(prepare if self.rank == 0 else None, tmp, step)
-        _fault_point("save_start", step)
+        fault_point("save_start", step)
         return final, tmp
 
     def _write(self, tmp: Path, state: Any, model_only: bool) -> None:
@@ -213,7 +187,7 @@ class CheckpointManager:
             if with_optim:
                 dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
                          checkpoint_id=str(tmp / OPTIMIZER_DIR))
-        _fault_point("after_model", step)
+        fault_point("after_model", step)
         self._write_small_files(tmp, state, model_only)
 
     def _write_small_files(self, tmp: Path, state: Any, model_only: bool) -> None:
@@ -232,97 +206,6 @@ class CheckpointManager:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / STATE_FILE)
 
-    # -- asynchronous save (see shardtrain.checkpoint.async_save) --------------------------------------
-    def save_async(self, step: int, state: Any, *, model_only: bool = False) -> Path:
-        """Start writing `checkpoint-<step>`; returns the path it will have once committed.
-
-        Waits for the previous async save first (and raises its error, on every rank). Returns once the
-        state is staged in CPU memory and the small files are written; the DCP files, `model.safetensors`
-        (FULL_STATE_DICT) and the commit (manifest, fsync, rename, rotate) follow in the background. Call
-        `wait()` before relying on the checkpoint (the Trainer does at the next save and at the end of train).
-
-        Raises:
-            CheckpointError: the previous save, or this one's synchronous part, failed on some rank; every
-                rank raises it and the partial `.tmp-checkpoint-<step>` is removed.
-        """
-        self.wait()
-        if self._group is None:  # collective: every rank saves at the same step
-            self._group, self._gather_group = checkpoint_group(), checkpoint_group()
-        if self._worker is None:
-            self._stager = ReusableStager()
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-checkpoint")
-        final, tmp = self._start_save(step)
-        staged: dict[str, Any] = {}
-        self._all_ok(lambda: staged.update(self._stage(tmp, state, model_only)), tmp, step)
-        _fault_point("after_model", step)
-        # Every rank staged and wrote its small files: from here on nothing can fail before the background part.
-        upload = None
-        if staged["dcp"]:
-            upload = dcp.async_save(staged["dcp"], checkpoint_id=str(tmp / staged["dcp_dir"]),
-                                    process_group=self._group, async_checkpointer_type=AsyncCheckpointerType.THREAD,
-                                    async_stager=AlreadyStaged())
-        write_model = None
-        if staged["full"] is not None or staged["shards"] is not None:
-            write_model = partial(self._write_full_model, tmp, staged["full"], staged["shards"])
-        keep = state.best_model_checkpoint
-
-        def commit() -> None:
-            _fault_point("before_commit", step)
-            if self.rank == 0:
-                self._commit(tmp, final, step, keep)
-
-        future = self._worker.submit(background_job, write_model, upload, commit)
-        self._in_flight = InFlightSave(step, tmp, final, future)
-        return final
-
-    def _stage(self, tmp: Path, state: Any, model_only: bool) -> dict[str, Any]:
-        """The synchronous part of an async save on this rank: stage the state, write the small files.
-
-        Returns the staged DCP payload and its directory, and for FULL_STATE_DICT either the staged model
-        shards (`shards`, gathered in the background) or the model already gathered on rank 0 (`full`,
-        when the sharding is not plain FSDP, e.g. HSDP: gathered here, through the training group).
-        """
-        with_optim = self.optimizer is not None and not model_only
-        payload: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
-        full = None
-        if self.state_dict_type != "SHARDED_STATE_DICT" and not gatherable(payload["model"]):
-            # collective; rank 0 gets the model, the others {}
-            gathered = full_model_state(self.model, trainable_only=self.frozen_base is not None)
-            full = private_copy(gathered, self.model) if self.rank == 0 else {}
-            del gathered, payload["model"]
-        if with_optim:
-            payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
-        staged = self._stager.stage(payload)
-        self._write_small_files(tmp, state, model_only)
-        if self.state_dict_type == "SHARDED_STATE_DICT":
-            return {"dcp": staged, "dcp_dir": SHARDED_DIR, "full": None, "shards": None}
-        dcp_payload = {"optimizer": staged["optimizer"]} if with_optim else {}
-        return {"dcp": dcp_payload, "dcp_dir": OPTIMIZER_DIR, "full": full, "shards": staged.get("model")}
-
-    def _write_full_model(self, tmp: Path, full: dict[str, torch.Tensor] | None,
-                          shards: dict[str, Any] | None) -> None:
-        """Background, FULL_STATE_DICT: gather the staged shards on rank 0 (collective over the gather group)
-        unless that was done already, then rank 0 writes model.safetensors."""
-        if full is None:
-            full = gather_full(shards, self._gather_group)
-            for alias in tied_aliases(self.model):
-                full.pop(alias, None)
-        if self.rank == 0:
-            write_full_checkpoint(full, tmp, None)
-
-    def wait(self) -> Path | None:
-        """Wait for the async save in flight (collective); returns its committed path, or None if none was.
-
-        Raises:
-            CheckpointError: its background part failed on some rank; raised on every rank, and the partial
-                `.tmp-checkpoint-<step>` is removed (earlier checkpoints are untouched).
-        """
-        pending, self._in_flight = self._in_flight, None
-        if pending is None:
-            return None
-        self._all_ok(pending.future.result, pending.tmp, pending.step)
-        return pending.final
-
     def _commit(self, tmp: Path, final: Path, step: int, keep: str | None) -> None:
         """Rank 0: manifest, fsync, rename `tmp` to `final`, rotate."""
         write_manifest(tmp)
@@ -336,7 +219,7 @@ class CheckpointManager:
         else:
             tmp.rename(final)
         _fsync(self.output_dir)
-        _fault_point("before_rotate", step)
+        fault_point("before_rotate", step)
         self._rotate(keep=keep)
 
     def _all_ok(self, work: Any, tmp: Path, step: int) -> None:

@@ -75,6 +75,7 @@ def inject_checkpoint_fault(delay_s: float = 0.0, fail_step: int | None = None):
     import torch.distributed as dist
     import torch.distributed.checkpoint.state_dict_saver as saver
 
+    import shardtrain.checkpoint.async_manager as async_manager
     import shardtrain.checkpoint.manager as manager
 
     write_full, dcp_save = manager.write_full_checkpoint, saver.save
@@ -89,11 +90,12 @@ def inject_checkpoint_fault(delay_s: float = 0.0, fail_step: int | None = None):
         time.sleep(delay_s)
         return dcp_save(*args, **kwargs)
 
-    manager.write_full_checkpoint = write_model
+    manager.write_full_checkpoint = async_manager.write_full_checkpoint = write_model
     saver.save = delayed_dcp_save
 
     def restore() -> None:
-        manager.write_full_checkpoint, saver.save = write_full, dcp_save
+        manager.write_full_checkpoint = async_manager.write_full_checkpoint = write_full
+        saver.save = dcp_save
 
     return restore
 
