@@ -7,14 +7,16 @@ One `python -m torch.distributed.run --nproc_per_node 2` launch of this file (`-
 per rank) per mode, on the same grouped-query Llama (8 query heads, 2 K/V heads) with FSDP2 over both ranks:
 
   * `cp1`: each rank trains on its own sequence of `--seq` tokens (data parallel; the reference).
-  * `cp2`: the two ranks split one sequence of `--seq` tokens (context parallel, gathered K/V kept for backward).
-  * `cp2_recompute`: as cp2, K/V gathered again in backward (`ContextParallel(recompute=True)`).
+  * `cp2`: the two ranks split one sequence of `--seq` tokens (context parallel, gathered K/V and SDPA's
+    intermediates kept for backward: `ContextParallel(recompute=False)`, `cp_regather_kv=False`).
+  * `cp2_recompute`: as cp2, K/V gathered again in backward (`recompute=True`, the Trainer's default).
 
 Measured per rank, over the timed steps: the tensor high-water mark of one forward+backward, by
 `torch.distributed._tools.mem_tracker.MemTracker` (every tensor created in the step, by category: activations,
 temporaries, gradients, parameters; named in the JSON), and the bytes saved for backward at the end of the
 forward (`saved_tensors_hooks`, unique storages, parameters excluded); the step time (forward, backward,
-optimizer) after warm-up. `activation_ratio` = cp2 / cp1 of the activation + temporary high-water mark.
+optimizer) after warm-up, and tokens per second over both ranks (cp1 trains two sequences per step, cp2 one).
+`activation_ratio` = cp2 / cp1 of the activation + temporary high-water mark.
 Prints one JSON object and writes it to --out.
 """
 
@@ -141,6 +143,10 @@ def summarize(out_dir: Path, modes: list[str]) -> dict[str, Any]:
         per_mode[mode] = {
             "cp": ranks[0]["cp"], "recompute": ranks[0]["recompute"], "tokens_per_rank": ranks[0]["local_tokens"],
             "step_s_median": max(r["step_s_median"] for r in ranks),
+            # cp1: each rank trains its own sequence; cp2: the two ranks share one
+            "sequences_per_step": 2 // ranks[0]["cp"],
+            "tokens_per_second": round(ranks[0]["seq"] * (2 // ranks[0]["cp"])
+                                       / max(r["step_s_median"] for r in ranks)),
             "activation_and_temp_peak_mb_per_rank": [round(_activation_mb(c), 2) for c in categories],
             "saved_for_backward_mb_per_rank": [round(r["saved_for_backward_mb"], 2) for r in ranks],
             "peak_by_category_mb_rank0": {k: round(v, 2) for k, v in categories[0].items()},

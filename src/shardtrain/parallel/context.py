@@ -88,10 +88,9 @@ def _gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         dropout: float, scale: float | None, group: dist.ProcessGroup) -> torch.Tensor:
     key = _all_gather(key.contiguous(), 2, group)
     value = _all_gather(value.contiguous(), 2, group)
-    if key.shape[1] != query.shape[1]:  # grouped-query attention: each K/V head serves several query heads
-        repeat = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+    # grouped-query attention: SDPA serves several query heads per K/V head itself (no repeated copies to keep)
+    gqa = {"enable_gqa": True} if key.shape[1] != query.shape[1] else {}
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, **gqa)
 
 
 def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -137,11 +136,12 @@ class ContextParallel:
     Args:
         mesh: the 1-D `cp` mesh (from `ParallelDims.build(...).cp`).
         load_balance: head-tail chunks (default); False: contiguous blocks (rank r holds block r).
-        recompute: gather K/V again in backward instead of keeping the gathered copies (less memory, one more
-            all-gather per layer).
+        recompute: gather K/V again in backward (and recompute the local attention) instead of keeping the
+            gathered copies and SDPA's intermediates: less memory, one more all-gather per layer (the default;
+            `TrainingArguments(cp_regather_kv=False)` keeps them).
     """
 
-    def __init__(self, mesh: DeviceMesh, *, load_balance: bool = True, recompute: bool = False) -> None:
+    def __init__(self, mesh: DeviceMesh, *, load_balance: bool = True, recompute: bool = True) -> None:
         self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
         self.group = mesh.get_group()
         self.load_balance, self.recompute = load_balance, recompute

@@ -112,6 +112,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
     parallelism_config: Any = None
     # shardtrain's own
     cp_size: int | None = None
+    cp_regather_kv: bool = True
     sp_size: int = 1
     tp_size: int | None = None
     tp_plan: dict | None = None
@@ -379,11 +380,12 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
 
 
 IMPLEMENTED = {f.name for f in dataclasses.fields(_ImplementedArguments) if f.init}
-OURS = {"cp_size", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async", "predict_with_generate",
+OURS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async", "predict_with_generate",
         "generation_max_length", "generation_num_beams"}
 NOTES = {
     "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see README)",
-    "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp sizes",
+    "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp/tp sizes",
+    "cp_regather_kv": "context parallel: all-gather K/V again in backward instead of keeping them (less memory)",
     "sp_size": "Ulysses sequence-parallel size (refused above 1)",
     "tp_size": "tensor-parallel size: the model's own TP plan on the tp mesh, FSDP over the rest (see README)",
     "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",

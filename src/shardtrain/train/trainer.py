@@ -112,7 +112,7 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             **{name.removesuffix("_size"): size for name, size in args.parallel_sizes.items()})
         self.meshes = self.dims.build(self.device.type)
         self.dp_rank = self.dims.rank_coords(self.rank)["batch"]  # which samples this rank sees
-        self.cp = ContextParallel(self.meshes.cp) if self.dims.cp > 1 else None
+        self.cp = ContextParallel(self.meshes.cp, recompute=args.cp_regather_kv) if self.dims.cp > 1 else None
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
         if model is None:
