@@ -44,3 +44,27 @@ def python(script: str | Path, *args: str, timeout: float = 600, env: dict | Non
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def run_result(root: Path, name: str) -> dict:
+    """What `workers/train_run.py` wrote for the job whose "out" was root/name."""
+    return read_json(Path(root) / name / "result.json")
+
+
+def assert_same_training(root: Path, reference: str, name: str, tol: float = 1e-5) -> None:
+    """Job `name` trained like job `reference` (train_run.py results): the same steps, losses, gradient norms,
+    eval loss and (both run with "weights") final weights within `tol`; and the reference really learned."""
+    import pytest
+    import torch
+
+    ref, got = run_result(root, reference), run_result(root, name)
+    assert got["steps"] == ref["steps"] == list(range(1, 11))
+    assert got["losses"] == pytest.approx(ref["losses"], abs=tol, rel=0)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=tol, rel=0)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=tol)
+    assert len(set(ref["losses"])) == 10  # the model learns: losses are not a constant
+    ref_weights = torch.load(Path(root) / reference / "weights.pt")
+    got_weights = torch.load(Path(root) / name / "weights.pt")
+    assert got_weights.keys() == ref_weights.keys()
+    for key, value in ref_weights.items():
+        assert (got_weights[key] - value).abs().max().item() < tol, key

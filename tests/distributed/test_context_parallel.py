@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import python, torchrun
+from launch import assert_same_training, python, run_result, torchrun
 from tiny_models import tiny_llama
 
 WORKER = Path(__file__).parent / "workers" / "train_run.py"
@@ -40,31 +40,17 @@ def runs(tmp_path_factory):
     return root
 
 
-def _result(root: Path, name: str) -> dict:
-    return json.loads((root / name / "result.json").read_text())
-
-
 @pytest.mark.parametrize("name", ["dp2cp2", "dp2cp2_ac"])
 def test_training_on_dp2_cp2_equals_one_process(runs, name):
-    ref, got = _result(runs, "ref"), _result(runs, name)
-    assert got["steps"] == ref["steps"] == list(range(1, 11))
-    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
-    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5, rel=0)
-    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
-    assert len(set(ref["losses"])) == 10  # the model learns: losses are not a constant
-    ref_weights = torch.load(runs / "ref" / "weights.pt")
-    got_weights = torch.load(runs / name / "weights.pt")
-    assert got_weights.keys() == ref_weights.keys()
-    initial = tiny_llama().state_dict()
+    assert_same_training(runs, "ref", name)
+    ref_weights, initial = torch.load(runs / "ref" / "weights.pt"), tiny_llama().state_dict()
     assert max((ref_weights[k] - initial[k]).abs().max().item() for k in ref_weights) > 1e-3  # training moved them
-    for key, value in ref_weights.items():
-        assert (got_weights[key] - value).abs().max().item() < 1e-5, key
 
 
 @pytest.mark.parametrize("layout", ["cp2", "dp2cp2"])
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_evaluate_and_predict_under_cp_equal_one_process(runs, model, layout):
-    ref, got = _result(runs, f"eval_{model}_ref"), _result(runs, f"eval_{model}_{layout}")
+    ref, got = run_result(runs, f"eval_{model}_ref"), run_result(runs, f"eval_{model}_{layout}")
     assert set(got["eval_metrics"]) == set(ref["eval_metrics"]) >= {"eval_loss", "eval_accuracy", "eval_logit_sum"}
     assert got["eval_metrics"]["eval_loss"] == pytest.approx(ref["eval_metrics"]["eval_loss"], abs=1e-5)
     assert got["eval_metrics"]["eval_accuracy"] == pytest.approx(ref["eval_metrics"]["eval_accuracy"], abs=1e-9)
@@ -79,7 +65,7 @@ def test_evaluate_and_predict_under_cp_equal_one_process(runs, model, layout):
 
 
 def test_sharded_checkpoint_from_dp2_cp2_resumes_on_two_ranks_without_cp(runs):
-    uninterrupted, resumed = _result(runs, "dp2cp2"), _result(runs, "resumed_cp1")
+    uninterrupted, resumed = run_result(runs, "dp2cp2"), run_result(runs, "resumed_cp1")
     assert resumed["steps"] == list(range(1, 11))  # steps 1-5 from the checkpoint's log history, 6-10 run here
     assert resumed["losses"][5:] == pytest.approx(uninterrupted["losses"][5:], abs=1e-6, rel=0)
     assert resumed["losses"][:5] == uninterrupted["losses"][:5]

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from launch import python, torchrun
+from launch import assert_same_training, python, run_result, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "train_run.py"
 SHARDED = {"state_dict_type": "SHARDED_STATE_DICT"}
@@ -31,29 +30,17 @@ def runs(tmp_path_factory):
     return root
 
 
-def _result(root: Path, name: str) -> dict:
-    return json.loads((root / name / "result.json").read_text())
-
-
 @pytest.mark.parametrize("name", ["tp2", "tp2_ac"])
 def test_tp2_dp2_equals_one_process(runs, name):
-    ref, got = _result(runs, "ref"), _result(runs, name)
-    assert got["steps"] == ref["steps"] == list(range(1, 11))
-    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=0)
-    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5, rel=0)
-    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
-    ref_weights, got_weights = torch.load(runs / "ref" / "weights.pt"), torch.load(runs / name / "weights.pt")
-    assert got_weights.keys() == ref_weights.keys()
-    for key, value in ref_weights.items():
-        assert (got_weights[key] - value).abs().max().item() < 1e-5, key
+    assert_same_training(runs, "ref", name)
 
 
 def test_greedy_generation_under_tp_equals_one_process(runs):
-    ref, got = _result(runs, "ref"), _result(runs, "tp2")
+    ref, got = run_result(runs, "ref"), run_result(runs, "tp2")
     assert len(ref["generated"]) == 12 and got["generated"] == ref["generated"]
 
 
 def test_tp_checkpoint_resumes_exactly_and_without_tp(runs):
-    tp2 = _result(runs, "tp2")
-    assert _result(runs, "tp2_resumed")["losses"][5:] == tp2["losses"][5:]  # bit-identical
-    assert _result(runs, "dp2_resumed")["losses"][5:] == pytest.approx(tp2["losses"][5:], abs=1e-6, rel=0)
+    tp2 = run_result(runs, "tp2")
+    assert run_result(runs, "tp2_resumed")["losses"][5:] == tp2["losses"][5:]  # bit-identical
+    assert run_result(runs, "dp2_resumed")["losses"][5:] == pytest.approx(tp2["losses"][5:], abs=1e-6, rel=0)
