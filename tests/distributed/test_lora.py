@@ -39,10 +39,13 @@ def runs(tmp_path_factory):
                                     {"out": str(root / "two_gc"), "per_device_train_batch_size": 4,
                                      "peft_model": True, "gradient_checkpointing": True},
                                     {"out": str(root / "two_bf16"), "per_device_train_batch_size": 4, "lora": True,
-                                     "base_bf16": True, "bf16": True, "max_steps": 2}]))
+                                     "base_bf16": True, "bf16": True, "max_steps": 2},
+                                    {**_job(root / "two_full", 4), "fsdp_config": {}}]))
     two_again = _resume_dir(root, "resumed2", root / "two")
     on1 = _resume_dir(root, "on1", root / "two")
-    torchrun(WORKER, 2, json.dumps([{**_job(two_again, 4), "resume": True}]))
+    full_again = _resume_dir(root, "full_resumed2", root / "two_full")
+    torchrun(WORKER, 2, json.dumps([{**_job(two_again, 4), "resume": True},
+                                    {**_job(full_again, 4), "fsdp_config": {}, "resume": True}]))
     python(WORKER, json.dumps([_job(root / "one", 8), {**_job(on1, 8), "resume": True}]))
     other_base = _resume_dir(root, "other_base", root / "two")
     failed = python(WORKER, json.dumps([{**_job(other_base, 8), "resume": True, "model_seed": 1}]), check=False)
@@ -107,6 +110,11 @@ def test_adapter_checkpoints_hold_the_adapters_and_name_their_base(runs):
 
 def test_lora_checkpoint_resumes_exactly_and_on_another_world_size(runs):
     root, _ = runs
+    full = _result(root, "two_full")  # FULL_STATE_DICT: model.safetensors holds the adapters only
+    assert full["losses"] == _result(root, "two")["losses"]
+    assert _result(root, "full_resumed2")["losses"][5:] == full["losses"][5:]
+    saved = load_file(str(root / "two_full" / "checkpoint-5" / "model.safetensors"))
+    assert len(saved) == 8 and all("lora_" in k for k in saved)
     two, resumed, on1 = _result(root, "two"), _result(root, "resumed2"), _result(root, "on1")
     assert resumed["losses"][5:] == two["losses"][5:]  # bit-identical
     assert on1["losses"][5:] == pytest.approx(two["losses"][5:], abs=1e-6, rel=0)
