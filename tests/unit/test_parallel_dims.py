@@ -26,6 +26,8 @@ def sizes(dims: ParallelDims) -> tuple[int, ...]:
     ({"fsdp_config": FSDPConfig.load({"sharding_strategy": "hybrid_shard"}), "local_world_size": 4, "cp": 2},
      (2, 2, 2, 1)),
     ({"fsdp_config": FSDPConfig.load({"sharding_strategy": "hybrid_shard", "dp_shard_size": 2})}, (4, 2, 1, 1)),
+    # dp_shard_size without hybrid: the plain shard size when cp takes the rest of the ranks
+    ({"fsdp_config": FSDPConfig.load({"dp_shard_size": 4}), "cp": 2}, (1, 4, 2, 1)),
 ])
 def test_sizes_are_filled_in(kwargs, expected):
     dims = ParallelDims.resolve(world_size=8, **kwargs)
