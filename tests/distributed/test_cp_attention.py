@@ -37,3 +37,10 @@ def test_models_split_over_cp_give_the_full_loss_gradients_and_logits(ranks, mod
         assert case["grad_diff"] < 1e-5
         assert case["logits_shape"] == case["ref_logits_shape"] == [3, 11, 64]  # 11 tokens: padded to 12, cut back
         assert case["logits_diff"] < 1e-5
+
+
+def test_packed_sequences_and_unimplemented_attention_features_are_refused(ranks):
+    for rank in ranks:
+        assert "position_ids that do not count up by one" in rank["refusals"]["packed"]
+        assert "DataCollatorWithFlattening" in rank["refusals"]["packed"]
+        assert "passes 's_aux' to its attention" in rank["refusals"]["sinks"]

@@ -39,7 +39,10 @@ def runs(tmp_path_factory):
                                     {"out": str(root / "two_gc"), "per_device_train_batch_size": 4,
                                      "peft_model": True, "gradient_checkpointing": True},
                                     {"out": str(root / "two_bf16"), "per_device_train_batch_size": 4, "lora": True,
-                                     "base_bf16": True, "bf16": True, "max_steps": 2},
+                                     "base_bf16": True, "bf16": True, "max_steps": 2, "save_strategy": "steps",
+                                     "save_steps": 2, "fsdp_config": SHARDED},
+                                    {"out": str(root / "two_cp"), "per_device_train_batch_size": 8, "lora": True,
+                                     "cp_size": 2},
                                     {**_job(root / "two_full", 4), "fsdp_config": {}}]))
     two_again = _resume_dir(root, "resumed2", root / "two")
     on1 = _resume_dir(root, "on1", root / "two")
@@ -60,7 +63,8 @@ def test_two_ranks_equal_one_process_and_the_base_stays_frozen(runs):
     root, _ = runs
     one, two = _result(root, "one"), _result(root, "two")
     assert two["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0)
-    for name in ("two_ac", "two_gc"):  # frozen base with activation / gradient checkpointing; a PeftModel given
+    for name in ("two_ac", "two_gc", "two_cp"):  # frozen base + activation / gradient checkpointing; a PeftModel
+        # given directly; the adapters under context parallelism
         assert _result(root, name)["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=0), name
     assert len(set(one["losses"])) == 10
     w1, w2 = torch.load(root / "one" / "weights.pt"), torch.load(root / "two" / "weights.pt")
@@ -159,6 +163,17 @@ def test_bf16_base_keeps_fp32_adapters(runs):
     result = _result(root, "two_bf16")
     assert result["param_dtypes"] == {"trainable": ["torch.float32"], "frozen": ["torch.bfloat16"]}
     assert len(result["losses"]) == 2 and all(loss == loss for loss in result["losses"])  # trains, no NaN
+
+
+def test_merge_of_a_bf16_base_run(runs, tmp_path):
+    from shardtrain.cli.main import main
+
+    root, _ = runs
+    base = tmp_path / "base_bf16"
+    tiny_llama().to(torch.bfloat16).save_pretrained(str(base))  # the base that run trained on
+    out = tmp_path / "merged"
+    assert main(["merge", str(root / "two_bf16" / "checkpoint-2"), str(out), "--merge-lora", "--base", str(base)]) == 0
+    assert (out / "model.safetensors").is_file()
 
 
 def test_missing_peft_is_one_clear_error(monkeypatch):

@@ -97,7 +97,7 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 
 
 def frozen_identity(model: nn.Module) -> dict[str, Any]:
-    """Class of the (base) model and a SHA-256 of its frozen weights (names, dtypes, shapes, bytes), in name order.
+    """Class of the (base) model and a SHA-256 of its frozen weights (names, shapes, values as fp32), in name order.
 
     Call it before sharding: the hash covers the full tensors, so it does not depend on the number of ranks.
     """
@@ -105,8 +105,10 @@ def frozen_identity(model: nn.Module) -> dict[str, Any]:
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         if param.requires_grad:
             continue
-        tensor = param.detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        tensor = param.detach().cpu()
+        # the values, not the storage dtype: a bf16 base and the same base loaded in fp32 hash alike
+        tensor = (tensor.float() if tensor.is_floating_point() else tensor).contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     return {"base_class": model_class_name(base), "frozen_sha256": digest.hexdigest()}

@@ -41,6 +41,7 @@ IGNORE_INDEX = -100
 _SEQUENCE_KEYS = ("input_ids", "token_type_ids", "position_ids", "labels", "shift_labels", "attention_mask")
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "position_bias", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
 class ContextParallelError(UserError, ValueError):
@@ -107,9 +108,11 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise ContextParallelError(f"{type(module).__name__} uses attention logit softcapping, which context "
-                                   "parallelism does not implement; set cp_size to 1 for this model")
+    for name in _UNSUPPORTED_KWARGS:  # attention features the gathered-K/V path does not implement
+        if kwargs.get(name) is not None:
+            raise ContextParallelError(f"{type(module).__name__} passes {name!r} to its attention (e.g. logit "
+                                       "softcapping, attention sinks, position bias or packed sequences), which "
+                                       "context parallelism does not implement; set cp_size to 1 for this model")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = shard.mask(bool(causal), kwargs.get("sliding_window"))
     dropout = dropout if module.training else 0.0
@@ -152,6 +155,8 @@ class ContextParallel:
         Raises:
             ContextParallelError: the model does not call attention through transformers' interface.
         """
+        if callable(getattr(model, "get_base_model", None)):  # a PEFT model: its base model's attention
+            model = model.get_base_model()
         config = getattr(model, "config", None)
         if not getattr(type(model), "_supports_attention_backend", False) or config is None:
             raise ContextParallelError(
@@ -192,6 +197,11 @@ class ContextParallel:
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=device).expand(rows, length)
+        elif (positions.diff(dim=-1) != 1).any():
+            raise ContextParallelError(
+                "context parallelism got position_ids that do not count up by one in every row (packed sequences, "
+                "e.g. from DataCollatorWithFlattening); its mask is causal over the whole row, so documents would "
+                "attend to each other. Use padded batches (DataCollatorWithPadding) or cp_size 1")
         full["position_ids"] = torch.cat([positions, torch.arange(length, padded, device=device)
                                           .expand(rows, extra).to(positions.dtype)], dim=1)
         full["input_ids"] = F.pad(input_ids, (0, extra), value=pad_token_id)

@@ -43,9 +43,13 @@ def prompts_and_answers(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]]
 
 
 def generate_answers(model: nn.Module, batch: dict[str, torch.Tensor], *, pad_token_id: int,
-                     max_length: int | None = None, num_beams: int | None = None) -> tuple[list[list[int]],
-                                                                                             list[list[int]]]:
-    """(generated new tokens, reference answers) for every row of `batch` (every rank must call it)."""
+                     stop_token_ids: set[int] = frozenset(), max_length: int | None = None,
+                     num_beams: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """(generated new tokens, reference answers) for every row of `batch` (every rank must call it).
+
+    A row ends after its first stop token (kept: a reference answer usually ends with EOS), or else where only
+    padding follows (the padding generate adds after a row has finished).
+    """
     prompts, answers = prompts_and_answers(batch)
     device = batch["input_ids"].device
     width = max(len(p) for p in prompts) or 1
@@ -66,7 +70,11 @@ def generate_answers(model: nn.Module, batch: dict[str, torch.Tensor], *, pad_to
         output = model.generate(input_ids=input_ids, attention_mask=attention, **kwargs)
     generated = []
     for row in output[:, width:].tolist():
-        while row and row[-1] == pad_token_id:  # padding after an early EOS
-            row.pop()
+        stop = next((i for i, token in enumerate(row) if token in stop_token_ids), None)
+        if stop is not None:
+            row = row[:stop + 1]
+        else:
+            while row and row[-1] == pad_token_id:
+                row.pop()
         generated.append(row)
     return generated, answers

@@ -13,6 +13,7 @@ of the frozen weights, computed once before sharding), so resuming on a differen
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,7 @@ def merged_state(model: nn.Module, full_state: dict[str, torch.Tensor]) -> tuple
 
     base = model.get_base_model()
     copy = model_class(base)._from_config(base.config, dtype=next(iter(full_state.values())).dtype)
-    copy = get_peft_model(copy, model.peft_config[model.active_adapter])
+    copy = get_peft_model(copy, copy_module.deepcopy(model.peft_config[model.active_adapter]))
     missing, unexpected = copy.load_state_dict(full_state, strict=False)
     if unexpected or [k for k in missing if k not in _tied_names(copy)]:
         raise PeftError(f"could not rebuild the adapted model for merging (missing {missing[:3]}, unexpected "

@@ -389,7 +389,7 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         num_items = None
         if custom:  # Hugging Face's contract: the global target-token count before the forward
             num_items = self.loss.local_counts(batches)[0].clone()
-            dist.all_reduce(num_items)
+            dist.all_reduce(num_items, group=self.meshes.loss.get_group())  # tp ranks share their tokens
             num_items = num_items.to(torch.int64)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):

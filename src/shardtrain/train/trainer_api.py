@@ -116,11 +116,15 @@ class TrainerAPIMixin:
         if not self.loss.shift_labels or not callable(getattr(self.model, "generate", None)):
             raise TrainingArgumentsError(f"predict_with_generate needs a causal language model with generate(); "
                                          f"{type(self.model).__name__} is not one; set predict_with_generate=False")
-        config = getattr(self.model, "config", None)
+        config = getattr(self.model, "generation_config", None) or getattr(self.model, "config", None)
+        eos = getattr(config, "eos_token_id", None)
+        eos = list(eos) if isinstance(eos, list | tuple) else ([eos] if eos is not None else [])
         pad = getattr(config, "pad_token_id", None)
-        pad = pad if pad is not None else getattr(config, "eos_token_id", None) or 0
-        return generate_answers(self.model, batch, pad_token_id=pad, max_length=self.args.generation_max_length,
-                                num_beams=self.args.generation_num_beams)
+        if pad is None:  # as transformers does: pad with the (first) EOS
+            pad = eos[0] if eos else 0
+        stops = set(eos)
+        return generate_answers(self.model, batch, pad_token_id=pad, stop_token_ids=stops,
+                                max_length=self.args.generation_max_length, num_beams=self.args.generation_num_beams)
 
     # -- dataloaders (for scripts that iterate themselves) ------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:

@@ -113,12 +113,32 @@ def model_cases(cp: ContextParallel) -> list[dict]:
     return out
 
 
+def refusals(cp: ContextParallel) -> dict[str, str]:
+    """Messages of what the gathered-K/V path refuses instead of computing something else."""
+    from shardtrain.parallel.context import ContextParallelError
+
+    out = {}
+    ids = torch.randint(1, 64, (1, 8))
+    packed = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])}
+    try:
+        cp.shard(packed, shift_labels=True)
+    except ContextParallelError as err:
+        out["packed"] = str(err)
+    q = torch.randn(1, 4, 4, 8)
+    shard = CPShard(cp.group, cp.indices(8, cp.rank), torch.arange(8), torch.ones(1, 8, dtype=torch.bool), 8)
+    try:
+        cp_attention(_Module(), q, q[:, :2], q[:, :2], None, s_aux=torch.zeros(4), shardtrain_cp=shard)
+    except ContextParallelError as err:
+        out["sinks"] = str(err)
+    return out
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     init_distributed()
     dims = ParallelDims.resolve(world_size=dist.get_world_size(), cp=2)
     cp = ContextParallel(dims.build("cpu").cp)
-    result = {"attention": attention_cases(cp), "models": model_cases(cp)}
+    result = {"attention": attention_cases(cp), "models": model_cases(cp), "refusals": refusals(cp)}
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(result, indent=1))
     destroy_distributed()
 
