@@ -216,3 +216,25 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     items: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(items, obj)
     return items if dist.get_rank() == 0 else None
+
+
+def run_worker(cmd: list[str], env: dict[str, str], what: str, cwd: str | os.PathLike | None = None) -> None:
+    """Run a benchmark's worker launch; exit with its stderr's end when it fails (a benchmark prints no partial
+    result)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=cwd)
+    if proc.returncode != 0:
+        sys.exit(f"{what} failed:\n{proc.stderr[-4000:]}")
+
+
+def emit(result: dict[str, Any], out: str | os.PathLike | None) -> None:
+    """Print the benchmark's JSON and write it to `out` when given."""
+    import json
+    from pathlib import Path
+
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -175,6 +174,8 @@ def main() -> None:
     if cli.worker:
         worker(cli)
         return
+    from bench_common import emit, run_worker
+
     modes = cli.modes.split(",")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDTRAIN_CPU": "1"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -182,15 +183,10 @@ def main() -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(Path(__file__)),
                    "--worker", "--mode", mode, "--out-dir", tmp, "--seq", str(cli.seq), "--steps", str(cli.steps),
                    "--warmup", str(cli.warmup)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-            if proc.returncode != 0:
-                sys.exit(f"{mode} failed:\n{proc.stderr[-4000:]}")
+            run_worker(cmd, env, mode, cwd=REPO)
         result = {"benchmark": "context_parallel", "model": "Llama 4 layers, hidden 256, 8 heads / 2 K/V heads, "
                   "vocab 2048", "ranks": 2, "seq": cli.seq, "steps": cli.steps, "modes": summarize(Path(tmp), modes)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if cli.out:
-        Path(cli.out).write_text(text + "\n")
+    emit(result, cli.out)
 
 
 if __name__ == "__main__":

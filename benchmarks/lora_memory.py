@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -105,21 +104,18 @@ def main() -> None:
     if cli.worker:
         worker(cli)
         return
+    from bench_common import emit, run_worker
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDTRAIN_CPU": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
         out_file = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(Path(__file__)), "--worker",
                "--size", cli.size, "--out-file", str(out_file)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-        if proc.returncode != 0:
-            sys.exit(f"worker failed:\n{proc.stderr[-4000:]}")
+        run_worker(cmd, env, "lora_memory worker", cwd=REPO)
         result = {"benchmark": "lora_memory", "size": cli.size, "ranks": 2, "modes": json.loads(out_file.read_text()),
                   "goal": "lora <= 0.3 x full"}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if cli.out:
-        Path(cli.out).write_text(text + "\n")
+    emit(result, cli.out)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,12 @@ def explain(proc: subprocess.CompletedProcess | subprocess.Popen, stdout: str = 
     out = stdout or getattr(proc, "stdout", "") or ""
     err = stderr or getattr(proc, "stderr", "") or ""
     return f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-6000:]}"
+
+
+def launch_ok(home: Path, *args: object, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`shardtrain launch ARGS` as a real process (extra environment `env`); fails the test with the ends of both
+    streams unless it exits 0."""
+    proc = subprocess.run(cli_cmd("launch", *args), env=cli_env(home, **env), capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+    assert proc.returncode == 0, explain(proc)
+    return proc

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cli_cmd, cli_env, explain
+from conftest import cli_cmd, cli_env, explain, launch_ok
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data"
@@ -35,10 +35,7 @@ parallelism_config:
 
 
 def _launch(home: Path, out: Path, *flags: object) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cli_cmd("launch", *flags, SCRIPT, "--output_dir", out, *ARGS)],
-                          env=cli_env(home), capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, explain(proc)
-    return proc
+    return launch_ok(home, *flags, SCRIPT, "--output_dir", out, *ARGS, cwd=REPO)
 
 
 @pytest.fixture(scope="module")

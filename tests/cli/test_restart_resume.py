@@ -4,11 +4,10 @@ the restart (skipped with a warning) all end with final weights bit-identical to
 
 import json
 import random
-import subprocess
 
 import pytest
 import torch
-from conftest import SCRIPTS, cli_cmd, cli_env, explain
+from conftest import SCRIPTS, explain, launch_ok
 from safetensors.torch import load_file
 
 SCRIPT = SCRIPTS / "train_restart.py"
@@ -31,11 +30,7 @@ TRIALS = (
 def _launch(home, out, kind, kill=None, fault=None, restarts=2):
     extra = {"SHARDTRAIN_FAULT": fault} if fault else {}
     args = [out, kind] + ([kill] if kill else [])
-    proc = subprocess.run(cli_cmd("launch", "--cpu", "--num_processes", 2, "--max_restarts", restarts,
-                                  SCRIPT, *args),
-                          env=cli_env(home, **extra), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, explain(proc)
-    return proc
+    return launch_ok(home, "--cpu", "--num_processes", 2, "--max_restarts", restarts, SCRIPT, *args, **extra)
 
 
 @pytest.fixture(scope="module")
