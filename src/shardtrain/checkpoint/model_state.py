@@ -96,22 +96,30 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def frozen_identity(model: nn.Module) -> dict[str, Any]:
-    """Class of the (base) model and a SHA-256 of its frozen weights (names, shapes, values as fp32), in name order.
-
-    Call it before sharding: the hash covers the full tensors, so it does not depend on the number of ranks.
-    """
-    digest = hashlib.sha256()
-    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        if param.requires_grad:
-            continue
+def frozen_digests(model: nn.Module, rank: int = 0, world_size: int = 1) -> dict[str, str]:
+    """SHA-256 of each frozen parameter's name, shape and values (as fp32, so a bf16 base and the same base loaded
+    in fp32 hash alike); this rank hashes every `world_size`-th one (name order), so ranks share the work."""
+    digests = {}
+    frozen = sorted((name, param) for name, param in model.named_parameters() if not param.requires_grad)
+    for name, param in frozen[rank::world_size]:
         tensor = param.detach().cpu()
-        # the values, not the storage dtype: a bf16 base and the same base loaded in fp32 hash alike
         tensor = (tensor.float() if tensor.is_floating_point() else tensor).contiguous()
-        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
+        digest = hashlib.sha256(f"{name}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digests[name] = digest.hexdigest()
+    return digests
+
+
+def frozen_identity(model: nn.Module, digests: dict[str, str] | None = None) -> dict[str, Any]:
+    """Class of the (base) model and one SHA-256 over its frozen parameters' digests in name order (the same for
+    any number of ranks). `digests`: all of them, when ranks computed them together (`frozen_digests`).
+
+    Call it before sharding: the digests cover the full tensors.
+    """
+    digests = frozen_digests(model) if digests is None else digests
+    combined = hashlib.sha256("".join(f"{name}={digests[name]}\n" for name in sorted(digests)).encode())
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return {"base_class": model_class_name(base), "frozen_sha256": digest.hexdigest()}
+    return {"base_class": model_class_name(base), "frozen_sha256": combined.hexdigest()}
 
 
 def base_problem(checkpoint: Path, identity: dict[str, Any] | None) -> str | None:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from shardtrain.checkpoint.manager import CheckpointManager
-from shardtrain.checkpoint.model_state import frozen_identity
+from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
 from shardtrain.config import env
 from shardtrain.errors import install_error_hook
 from shardtrain.parallel.context import ContextParallel
@@ -156,8 +156,10 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                 raise PeftError("peft_config needs a model object: load it first (e.g. AutoModelForCausalLM."
                                 "from_pretrained(path)) and pass it with peft_config")
             model = add_adapters(model, peft_config)
-        if is_peft_model(model):
-            self._frozen_base = frozen_identity(model)  # before sharding: full tensors, any world size
+        if is_peft_model(model):  # before sharding (full tensors); each rank hashes a share of the base
+            shares: list[Any] = [None] * self.world_size
+            dist.all_gather_object(shares, frozen_digests(model, self.rank, self.world_size))
+            self._frozen_base = frozen_identity(model, {k: v for share in shares for k, v in share.items()})
         if isinstance(model, str | os.PathLike) and self.dims.tp > 1:
             raise TrainingArgumentsError(f"tp_size = {self.dims.tp} with a model path: load the model first (e.g. "
                                          "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
