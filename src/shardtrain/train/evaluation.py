@@ -36,8 +36,8 @@ class EvalLoop:
     placeholders so every rank runs the same number of forward passes (FSDP's collectives need that).
 
     Under context parallelism the ranks of a cp group evaluate the same block, each its part of every sequence;
-    losses add up over all ranks, and logits are gathered back to full length before predictions are collected
-    (by the first rank of each cp group).
+    losses add up over the `loss` mesh, and logits are gathered back to full length before predictions are
+    collected (by one rank of each group of ranks that share their samples: cp and tp).
     """
 
     def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, dp_rank: int,
@@ -79,15 +79,14 @@ class EvalLoop:
                     totals[1] += self.loss.items(inputs).double()
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
-                collects = self.collects
                 if with_predictions and self.generate is not None:
                     generated, answers = self.generate(batch)  # every rank: FSDP's gathers need all of them
-                    if collects:
+                    if self.collects:
                         self._collect_generated(indices, generated, answers, preds, labels)
                     logits = None
                 if self.cp is not None and logits is not None and with_predictions:
                     logits = self.cp.gather_sequence(logits, inputs[SHARD_KWARG])
-                if with_predictions and logits is not None and collects:
+                if with_predictions and logits is not None and self.collects:
                     self._collect(indices, batch, logits, preds, labels)
                 if self.on_step is not None:
                     self.on_step()
