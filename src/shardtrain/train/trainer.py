@@ -29,15 +29,11 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from shardtrain.checkpoint.manager import CheckpointManager
-from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
 from shardtrain.config import env
 from shardtrain.errors import install_error_hook
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device, init_distributed
-from shardtrain.parallel.fsdp import apply_fsdp
-from shardtrain.parallel.loading import load_pretrained
-from shardtrain.parallel.tensor import apply_tp
 from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
 from shardtrain.train.data import (
     BatchPlan,
@@ -50,8 +46,9 @@ from shardtrain.train.data import (
     passthrough,
 )
 from shardtrain.train.logging import MetricsLogger
-from shardtrain.train.lora import PeftError, adapter_files, add_adapters, is_peft_model
+from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer, is_causal_lm
+from shardtrain.train.model_setup import ModelSetupMixin
 from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
 from shardtrain.train.preflight import PreflightMixin
 from shardtrain.train.state import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
@@ -66,7 +63,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
+class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
     """Train, evaluate and save a model with FSDP2; the arguments are Hugging Face's (see module docstring).
 
     Args:
@@ -146,69 +143,7 @@ class Trainer(PreflightMixin, StepFlowMixin, TrainerAPIMixin):
     def callbacks(self) -> list[TrainerCallback]:
         return self.callback_handler.callbacks
 
-    # -- setup ----------------------------------------------------------------------------------------
-    def _prepare_model(self, model: nn.Module | str, peft_config: Any = None) -> nn.Module:
-        args = self.args
-        config = args.fsdp_config
-        self._frozen_base = None  # adapter training: the base's identity, recorded in checkpoints
-        if peft_config is not None:
-            if isinstance(model, str | os.PathLike):
-                raise PeftError("peft_config needs a model object: load it first (e.g. AutoModelForCausalLM."
-                                "from_pretrained(path)) and pass it with peft_config")
-            model = add_adapters(model, peft_config)
-        if is_peft_model(model):  # before sharding (full tensors); each rank hashes a share of the base
-            shares: list[Any] = [None] * self.world_size
-            dist.all_gather_object(shares, frozen_digests(model, self.rank, self.world_size))
-            self._frozen_base = frozen_identity(model, {k: v for share in shares for k, v in share.items()})
-        if isinstance(model, str | os.PathLike) and self.dims.tp > 1:
-            raise TrainingArgumentsError(f"tp_size = {self.dims.tp} with a model path: load the model first (e.g. "
-                                         "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
-        if isinstance(model, str | os.PathLike):
-            model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
-                                    mixed_precision=args.mixed_precision, device=self.device)
-            self._enable_context_parallel(model)
-            return model
-        self._enable_context_parallel(model)
-        if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            kwargs = {"use_reentrant": False, **args.gradient_checkpointing_kwargs}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if args.fsdp_enabled:
-            if not isinstance(model, FSDPModule):
-                model.to(self.device)
-                if self.dims.tp > 1:  # torchtitan's order: tensor parallel, then checkpointing and FSDP
-                    if self._frozen_base is not None:
-                        raise PeftError(f"tp_size = {self.dims.tp} with LoRA adapters is not supported yet; train "
-                                        "the adapters with data (and context) parallelism, tp_size 1")
-                    apply_tp(model, self.meshes.tp, args.tp_plan)
-                apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision)
-            return model
-        model.to(self.device)
-        if self.world_size > 1:
-            raise TrainingArgumentsError(
-                f"Trainer runs on {self.world_size} ranks but fsdp is off; set TrainingArguments(fsdp=True) "
-                "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
-        return model
-
-    def _enable_context_parallel(self, model: nn.Module) -> None:
-        if self.cp is None:
-            return
-        if not is_causal_lm(model):
-            raise TrainingArgumentsError(
-                f"cp_size = {self.dims.cp}: context parallelism splits the sequences of causal language models; "
-                f"{type(model).__name__} is not one (its outputs depend on the whole sequence); set cp_size to 1")
-        self.cp.enable(model)
-
-    def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:
-        """A collated batch as the model gets it: on the device, with labels (`add_labels`: a causal LM batch
-        without labels learns every token); split over `cp` under context parallelism."""
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        if add_labels:
-            batch = self.loss.with_labels(batch)
-        if self.cp is None:
-            return batch
-        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
-        return self.cp.shard(batch, shift_labels=self.loss.shift_labels, pad_token_id=pad or 0)
-
+    # -- setup (the model's parallelism: shardtrain.train.model_setup) --------------------------------
     def _default_collator(self) -> Callable:
         if hasattr(self.processing_class, "pad"):  # a tokenizer: Hugging Face's default
             from transformers import DataCollatorWithPadding
