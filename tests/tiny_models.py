@@ -48,3 +48,17 @@ def tiny_qwen2(seed: int = 0, sliding_window: int | None = 4):
                          use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
                          max_window_layers=1, attn_implementation="sdpa")
     return Qwen2ForCausalLM(config)
+
+
+def tiny_qwen3_moe(seed: int = 0, experts: int = 8, top_k: int = 2, aux_coef: float = 0.1):
+    """Qwen3-MoE: 2 layers of `experts` routed experts (fused 3-D weights), top-k routing, and the router's
+    load-balancing loss on (output_router_logits) with a large coefficient, so that it moves the weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=64,
+                            output_router_logits=True, router_aux_loss_coef=aux_coef, norm_topk_prob=True,
+                            attn_implementation="eager")
+    return Qwen3MoeForCausalLM(config)

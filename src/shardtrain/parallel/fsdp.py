@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
+from shardtrain.parallel.expert import GRAD_RESCALE, expert_modules
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device
 
@@ -176,6 +177,8 @@ def apply_fsdp(
     mesh: DeviceMesh | None = None,
     *,
     mixed_precision: str | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    expert_grad_divide_factor: float | None = None,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 according to `fsdp_config` and return it.
 
@@ -185,6 +188,11 @@ def apply_fsdp(
         mesh: the mesh to shard over (`ParallelDims(...).build(...).fsdp`); default: every rank, as the
             config's sharding strategy says (1-D shard, or 2-D replicate x shard).
         mixed_precision: "bf16"/"fp16" overrides the config's `mixed_precision`.
+        expert_mesh: the expert-FSDP mesh (`Meshes.efsdp`) for experts modules that `apply_ep` prepared; each
+            becomes its own FSDP unit over it, inside the unit of its layer.
+        expert_grad_divide_factor: what FSDP divides the experts' gradients by. An expert's gradient already
+            sums the tokens of every rank of its ep group (the all-to-all's backward), so for the experts and
+            the dense parameters to hold the same average it is the dense one: `ParallelDims.grad_average_size`.
 
     Raises:
         FSDPConfigError: bad wrap settings, or `xla` set without torch_xla.
@@ -223,6 +231,18 @@ def apply_fsdp(
             # A KV cache filled in forward would be filled again by the recomputation (as HF does for
             # gradient checkpointing, turn it off for training; generate still works, without cache reuse).
             model.config.use_cache = False
+    for experts in expert_modules(model):
+        if expert_mesh is None:
+            raise ValueError("apply_fsdp: the model has expert-parallel experts (apply_ep); pass expert_mesh")
+        fully_shard(experts, reshard_after_forward=config.reshard_after_forward,
+                    **{**common, "mesh": expert_mesh})
+        if expert_grad_divide_factor is None:
+            continue
+        if expert_mesh.size(expert_mesh.ndim - 1) > 1:
+            experts.set_gradient_divide_factor(expert_grad_divide_factor)
+        else:  # FSDP2 (torch 2.13) divides twice by a custom factor when its reduce-scatter group has one rank:
+            # keep its default divisor (the replicate size) and let `rescale_expert_grads` finish the job
+            setattr(experts, GRAD_RESCALE, expert_mesh.size() / expert_grad_divide_factor)
     for unit in units:
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **common)
     if head:

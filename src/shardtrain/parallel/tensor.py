@@ -51,18 +51,20 @@ SUPPORTED_STYLES = ("colwise", "colwise_gather_output", "colwise_rep", "rowwise"
 
 def model_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's own plan with full module names: `base_model_tp_plan` (under the base model) + `_tp_plan`."""
-    plan: dict[str, str] = {}
-    config = getattr(model, "config", None)
-    base_plan = getattr(config, "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    has_prefix = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
-    for pattern, style in base_plan.items():
-        plan[f"{prefix}.{pattern}" if has_prefix else pattern] = style
+    plan = prefixed_plan(model, getattr(getattr(model, "config", None), "base_model_tp_plan", None))
     plan.update(getattr(model, "_tp_plan", None) or {})
     return plan
 
 
-def _matches(pattern: str, name: str) -> bool:
+def prefixed_plan(model: nn.Module, base_plan: dict[str, str] | None) -> dict[str, str]:
+    """A plan of the base model (transformers' `base_model_*_plan`) with full names under `model`."""
+    prefix = getattr(model, "base_model_prefix", "")
+    has_prefix = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+    return {f"{prefix}.{pattern}" if has_prefix else pattern: style for pattern, style in (base_plan or {}).items()}
+
+
+def plan_matches(pattern: str, name: str) -> bool:
+    """Whether a plan pattern (`*` = one name) matches a module name."""
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
 
 
@@ -101,7 +103,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = N
         if style is None:
             raise TensorParallelError(f"tensor-parallel plan entry {pattern!r}: style {style_name!r} is not supported; "
                                       f"use one of {list(SUPPORTED_STYLES)}")
-        found = [name for name in names if _matches(pattern, name)]
+        found = [name for name in names if plan_matches(pattern, name)]
         if not found:
             raise TensorParallelError(f"tensor-parallel plan entry {pattern!r} matches no module of "
                                       f"{type(model).__name__}; module names look like {names[1:4]}")

@@ -331,11 +331,10 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         if self.cp_size > 1 and self.sp_size > 1:
             self._fail("cp_size", f"= {self.cp_size} and sp_size = {self.sp_size} are both > 1; choose context "
                        "parallelism or Ulysses sequence parallelism, not both")
-        for name in ("sp_size", "ep_size"):
-            if getattr(self, name) > 1:
-                self._fail(name, f"= {getattr(self, name)} is not supported by this version of shardtrain yet "
-                           "(data, context and tensor parallelism only); set it to 1")
-        for name in ("cp_size", "tp_size"):
+        if self.sp_size > 1:
+            self._fail("sp_size", f"= {self.sp_size} is not supported by this version of shardtrain yet (data, "
+                       "context, tensor and expert parallelism only); use cp_size for long sequences")
+        for name in ("cp_size", "tp_size", "ep_size"):
             if getattr(self, name) > 1 and not self.fsdp_enabled:
                 self._fail(name, f"= {getattr(self, name)} needs FSDP (the rest of the model is sharded over the "
                            "data-parallel ranks); set fsdp=True or start with shardtrain launch --fsdp")
@@ -389,7 +388,7 @@ NOTES = {
     "sp_size": "Ulysses sequence-parallel size (refused above 1)",
     "tp_size": "tensor-parallel size: the model's own TP plan on the tp mesh, FSDP over the rest (see README)",
     "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",
-    "ep_size": "expert-parallel size (refused above 1 until expert parallelism lands)",
+    "ep_size": "expert-parallel size: routed experts of MoE models spread over ep ranks (inside dp_shard x cp)",
     "save_async": "write checkpoints in the background (DCP async save)",
     "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
     "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",

@@ -13,12 +13,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
+from shardtrain.parallel.expert import apply_ep
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.loading import load_pretrained
 from shardtrain.parallel.tensor import apply_tp
 from shardtrain.train.arguments import TrainingArgumentsError
 from shardtrain.train.lora import PeftError, add_adapters, is_peft_model
 from shardtrain.train.loss import is_causal_lm
+from shardtrain.train.router_loss import RouterLoss
 
 
 class ModelSetupMixin:
@@ -37,9 +39,13 @@ class ModelSetupMixin:
             shares: list[Any] = [None] * self.world_size
             dist.all_gather_object(shares, frozen_digests(model, self.rank, self.world_size))
             self._frozen_base = frozen_identity(model, {k: v for share in shares for k, v in share.items()})
-        if isinstance(model, str | os.PathLike) and self.dims.tp > 1:
-            raise TrainingArgumentsError(f"tp_size = {self.dims.tp} with a model path: load the model first (e.g. "
-                                         "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
+        for name, size in (("tp_size", self.dims.tp), ("ep_size", self.dims.ep)):
+            if isinstance(model, str | os.PathLike) and size > 1:
+                raise TrainingArgumentsError(f"{name} = {size} with a model path: load the model first (e.g. "
+                                             "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
+            if self._frozen_base is not None and size > 1:
+                raise PeftError(f"{name} = {size} with LoRA adapters is not supported yet; train the adapters "
+                                f"with data (and context) parallelism, {name} 1")
         if isinstance(model, str | os.PathLike):
             model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
                                     mixed_precision=args.mixed_precision, device=self.device)
@@ -53,11 +59,11 @@ class ModelSetupMixin:
             if not isinstance(model, FSDPModule):
                 model.to(self.device)
                 if self.dims.tp > 1:  # torchtitan's order: tensor parallel, then checkpointing and FSDP
-                    if self._frozen_base is not None:
-                        raise PeftError(f"tp_size = {self.dims.tp} with LoRA adapters is not supported yet; train "
-                                        "the adapters with data (and context) parallelism, tp_size 1")
                     apply_tp(model, self.meshes.tp, args.tp_plan)
-                apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision)
+                if self.dims.ep > 1:
+                    apply_ep(model, self.meshes.ep, self.meshes.tp)
+                apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision,
+                           expert_mesh=self.meshes.efsdp, expert_grad_divide_factor=self.dims.grad_average_size)
             return model
         model.to(self.device)
         if self.world_size > 1:
@@ -73,6 +79,11 @@ class ModelSetupMixin:
             raise TrainingArgumentsError(
                 f"cp_size = {self.dims.cp}: context parallelism splits the sequences of causal language models; "
                 f"{type(model).__name__} is not one (its outputs depend on the whole sequence); set cp_size to 1")
+        if RouterLoss(model, None).enabled:
+            raise TrainingArgumentsError(
+                f"cp_size = {self.dims.cp} with {type(model).__name__}'s load-balancing loss (config."
+                "output_router_logits): the router statistics under context parallelism are not supported yet; "
+                "set cp_size to 1, or config.output_router_logits = False")
         self.cp.enable(model)
 
     def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:

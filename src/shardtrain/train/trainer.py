@@ -33,6 +33,7 @@ from shardtrain.config import env
 from shardtrain.errors import install_error_hook
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
 from shardtrain.train.data import (
@@ -51,6 +52,7 @@ from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.model_setup import ModelSetupMixin
 from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
 from shardtrain.train.preflight import PreflightMixin
+from shardtrain.train.router_loss import RouterLoss
 from shardtrain.train.state import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step_flow import StepFlowMixin
 from shardtrain.train.trainer_api import TrainerAPIMixin
@@ -133,6 +135,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
         self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled)
+        self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
         self.optimizer, self.lr_scheduler = optimizers
         self._check_given_optimizer()
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
@@ -324,7 +327,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         fsdp = isinstance(self.model, FSDPModule)
         custom = self._custom_loss
         num_items = None
-        if custom:  # Hugging Face's contract: the global target-token count before the forward
+        if custom or self.router_loss.enabled:  # the global target-token count before the forward
             num_items = self.loss.local_counts(batches)[0].clone()
             dist.all_reduce(num_items, group=self.meshes.loss.get_group())  # tp ranks share their tokens
             num_items = num_items.to(torch.int64)
@@ -334,6 +337,10 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                 self.model.set_requires_gradient_sync(index == len(batches) - 1)
             if custom:
                 micro_sum = self.compute_loss(self.model, batch, num_items_in_batch=num_items) * num_items
+            elif self.router_loss.enabled:  # in token-sum units, like the cross entropy it is added to
+                micro_sum, outputs = self.loss.compute(batch)
+                share = self.router_loss.local_share(outputs, batch)
+                micro_sum = micro_sum + share * num_items.clamp(min=1) / len(batches)
             else:
                 micro_sum = self.loss(batch)
             (micro_sum / global_samples).backward()
@@ -343,6 +350,8 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         # FSDP averages gradients over its ranks (replicate x shard x cp). The token counts of the ranks add up to
         # the global ones: each context-parallel rank counts the targets of its part of the sequences only.
         divisor = global_samples * (self.dims.grad_average_size if fsdp else 1)
+        if self.dims.ep > 1:
+            rescale_expert_grads(self.model)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), self.loss.local_counts(batches),
                                                      divisor, self.args.max_grad_norm, self.world_size,
                                                      count_copies=self.dims.tp)
