@@ -14,7 +14,9 @@ compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and
 "lora" (LoRA r=8 on q_proj/v_proj through peft_config), "save_merged" (dir: save_model(merge_adapters=True)),
 "model_seed" (the tiny Llama's initialisation seed, default 0), "base_bf16" (the model cast to bf16 first),
 "peft_model" (the model wrapped with get_peft_model before the Trainer sees it), "generate" (greedy tokens
-from a fixed prompt after training go to result.json).
+from a fixed prompt after training go to result.json), "expert_bytes" (each rank's expert parameter, gradient
+and optimizer bytes at step 2 go to result.json). Models: "qwen3_moe" is a tiny Qwen3-MoE with its
+load-balancing loss on.
 Rank 0 writes OUT/result.json.
 """
 
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen2, variable_length_dataset
+from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen2, tiny_qwen3_moe, variable_length_dataset
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
 from shardtrain.train.data import PaddingCollator
@@ -57,7 +59,35 @@ def build(name: str, seed: int = 0):
         return tiny_gpt2(dropout=0.1), None
     if name == "qwen2":
         return tiny_qwen2(), None
+    if name == "qwen3_moe":
+        return tiny_qwen3_moe(), None
     return tiny_llama(seed=seed, tie=name == "llama_tied"), None
+
+
+class ExpertBytes(TrainerCallback):
+    """Before the second optimizer step: this rank's bytes of expert parameters, gradients and optimizer state
+    (local shards, from the tensors) and the experts' full size; rank 0 keeps every rank's."""
+
+    def __init__(self) -> None:
+        self.per_rank = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        from shardtrain.parallel.expert import expert_modules
+
+        if state.global_step != 1:
+            return
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        nbytes = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
+        params = [p for m in expert_modules(model) for p in m.parameters()]
+        mine = {"params": sum(nbytes(p) for p in params), "grads": sum(nbytes(p.grad) for p in params),
+                "optimizer": sum(nbytes(v) for p in params for v in optimizer.state[p].values() if v.dim() > 0),
+                "full_params": sum(p.numel() * p.element_size() for p in params)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        self.per_rank = gathered
 
 
 class RandomMaskCollator(PaddingCollator):
@@ -132,12 +162,14 @@ def run_job(knobs: dict) -> None:
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     save_merged = knobs.pop("save_merged", None)
+    expert_bytes = ExpertBytes() if knobs.pop("expert_bytes", False) else None
     collator = RandomMaskCollator() if knobs.pop("random_collator", False) else None
     restore = inject_checkpoint_fault(**knobs.pop("checkpoint_fault")) if "checkpoint_fault" in knobs else None
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
                 "save_strategy": "no", "warmup_steps": 2, "disable_tqdm": True, "max_grad_norm": 1.0}
     args = TrainingArguments(output_dir=str(out), **{**defaults, **knobs})
     callbacks = [StopAfter(stop_after)] if stop_after else []
+    callbacks += [expert_bytes] if expert_bytes else []
     trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
                       data_collator=collator, compute_metrics=token_accuracy if predict else None,
                       peft_config=peft_config)
@@ -187,7 +219,7 @@ def run_job(knobs: dict) -> None:
             "grad_norms": [e["grad_norm"] for e in train_logs], "lrs": [e["learning_rate"] for e in train_logs],
             "eval_loss": metrics["eval_loss"], "global_step": state.global_step,
             "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))},
-            "generated": generated,
+            "generated": generated, "expert_bytes": expert_bytes.per_rank if expert_bytes else None,
             "param_dtypes": {kind: sorted({str(p.dtype) for p in trainer.model.parameters()
                                            if p.requires_grad == (kind == "trainable")})
                              for kind in ("trainable", "frozen")}}))
