@@ -1,6 +1,7 @@
 """`shardtrain launch` with context parallelism (from flags and from an Accelerate YAML `parallelism_config`
 block) and tensor parallelism (flags): run_clm.py on 4 ranks (dp_shard 2 x cp 2, dp_shard 2 x tp 2) logs the
-losses and evaluation of 2 data-parallel ranks."""
+losses and evaluation of 2 data-parallel ranks; expert parallelism from our own flag (`--parallelism_config_ep_size`)
+and YAML key (`parallelism_config_ep_size`) trains a tiny Qwen3-MoE on 4 ranks like one process."""
 
 import json
 import subprocess
@@ -83,3 +84,47 @@ def test_cp_size_not_dividing_the_processes_is_refused_before_start(tmp_path):
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
     assert "cp_size x tp_size = 3 x 1 = 3 does not divide the 4 ranks" in proc.stderr
     assert not out.exists()  # no rank started
+
+
+EP_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_processes: 4
+num_machines: 1
+use_cpu: true
+fsdp_config:
+  fsdp_version: 2
+parallelism_config:
+  parallelism_config_ep_size: 4
+"""
+WORKER = REPO / "tests" / "distributed" / "workers" / "train_run.py"
+
+
+def _moe_job(out: Path, **extra: object) -> str:
+    return json.dumps([{"model": "qwen3_moe", "weights": True, "out": str(out), **extra}])
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory):
+    """Expert parallelism from our launch flag and from the YAML key (Accelerate has neither)."""
+    from launch import python
+
+    root = tmp_path_factory.mktemp("launch_ep")
+    home = root / "home"
+    python(WORKER, _moe_job(root / "ref", per_device_train_batch_size=8))
+    launch_ok(home, "--cpu", "--num_processes", 4, "--use_parallelism_config", "--parallelism_config_ep_size", 2,
+              WORKER, _moe_job(root / "flag", per_device_train_batch_size=2), cwd=REPO)
+    config = root / "ep.yaml"
+    config.write_text(EP_YAML)
+    launch_ok(home, "--config_file", config, WORKER, _moe_job(root / "yaml", per_device_train_batch_size=2), cwd=REPO)
+    return root
+
+
+@pytest.mark.parametrize("how, ep", [("flag", 2), ("yaml", 4)])
+def test_ep_launch_equals_one_process(ep_runs, how, ep):
+    from launch import assert_same_training
+
+    assert_same_training(ep_runs, "ref", how, tol=1e-5, weight_tol=1e-4)
+    from launch import run_result
+
+    assert f"dp_shard 4 x cp 1 x tp 1 x ep {ep} = 4 ranks" in run_result(ep_runs, how)["layout"]

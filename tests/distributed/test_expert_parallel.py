@@ -1,15 +1,16 @@
 """Expert parallelism with FSDP2 on a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss on, clipping active):
 4 ranks with ep 2 (expert-FSDP 2) and ep 4 (expert-FSDP 1) equal one process, with gradient accumulation and
 activation checkpointing too; each rank holds 1/(ep x efsdp) of the experts' bytes; an ep 2 x fsdp 2 checkpoint
-resumes bit-identically on the same layout and within 1e-6 on 2 ranks without ep; save_model gives a normal
-transformers checkpoint."""
+resumes bit-identically on the same layout and within 1e-6 on 2 ranks without ep; save_model, a
+FULL_STATE_DICT checkpoint and `shardtrain merge` of a sharded one give normal transformers checkpoints (experts in
+the model's own (E, 2I, H) layout)."""
 
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from launch import assert_same_training, python, run_result, torchrun
+from launch import REPO, assert_same_training, python, run_result, torchrun, worker_env
 
 WORKER = Path(__file__).parent / "workers" / "train_run.py"
 SHARDED = {"state_dict_type": "SHARDED_STATE_DICT"}
@@ -27,7 +28,8 @@ def runs(tmp_path_factory):
         {**MOE, "out": str(root / "ep2"), "per_device_train_batch_size": 2, "ep_size": 2, "expert_bytes": True,
          "save_strategy": "steps", "save_steps": 5, "fsdp_config": SHARDED, "generate": True,
          "save_model": str(root / "ep2_model"), "probe": True},
-        {**MOE, "out": str(root / "ep4"), "per_device_train_batch_size": 2, "ep_size": 4, "expert_bytes": True},
+        {**MOE, "out": str(root / "ep4"), "per_device_train_batch_size": 2, "ep_size": 4, "expert_bytes": True,
+         "save_strategy": "steps", "save_steps": 10, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}},
         {**MOE, "out": str(root / "ep2_accum"), "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
          "ep_size": 2},
         {**MOE, "out": str(root / "ep2_ac"), "per_device_train_batch_size": 2, "ep_size": 2,
@@ -81,3 +83,27 @@ def test_ep_save_model_loads_with_from_pretrained(runs):
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     assert (logits - probe["logits"]).abs().max().item() < 1e-5
+
+
+def _assert_loads_as(model_dir: Path, weights: Path) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    state = Qwen3MoeForCausalLM.from_pretrained(model_dir).state_dict()
+    expected = torch.load(weights)
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_full_state_dict_checkpoint_is_a_transformers_model(runs):
+    _assert_loads_as(runs / "ep4" / "checkpoint-10", runs / "ep4" / "weights.pt")
+
+
+def test_shardtrain_merge_of_an_ep_checkpoint(runs, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "shardtrain.cli.main", "merge", str(runs / "ep2" / "checkpoint-10"),
+                           str(tmp_path / "merged")], env=worker_env(), capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    _assert_loads_as(tmp_path / "merged", runs / "ep2" / "weights.pt")

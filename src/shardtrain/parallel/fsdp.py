@@ -25,9 +25,9 @@ from torch.distributed.fsdp import (
 )
 
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
-from shardtrain.parallel.expert import GRAD_RESCALE, expert_modules
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device
+from shardtrain.parallel.expert import GRAD_RESCALE, expert_modules
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from shardtrain.config import env
 from shardtrain.errors import install_error_hook
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.parallel.distributed import current_device, init_distributed
+from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
 from shardtrain.train.data import (
     BatchPlan,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
-from tiny_models import tiny_gpt2, tiny_llama, variable_length_dataset
+from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen3_moe, variable_length_dataset
 
 from shardtrain import Trainer, TrainingArguments
 from shardtrain.errors import UserError
@@ -51,6 +51,12 @@ def lora_llama():
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+def lora_moe():
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_qwen3_moe(), LoraConfig(r=4, target_modules=["q_proj"]))
 
 
 def tiny_bert_classifier():
@@ -139,7 +145,21 @@ case("args_parallelism_typo", "arguments", ["cp_sise", "cp_size"],
      lambda out: args(out, parallelism_config={"parallelism_config_cp_sise": 2}))
 case("args_cp_alltoall", "arguments", ["cp_comm_strategy", "alltoall", "allgather"],
      lambda out: args(out, parallelism_config={"cp_size": 2, "cp_comm_strategy": "alltoall"}))
-case("args_ep_size", "arguments", ["ep_size"], lambda out: args(out, ep_size=2))
+case("args_ep_without_fsdp", "arguments", ["ep_size", "fsdp"], lambda out: args(out, ep_size=2, fsdp=""))
+case("parallel_ep_dense_model", "parallelism", ["ep_size = 2", "LlamaForCausalLM", "no routed experts"],
+     lambda out: train(out, ep_size=2))
+case("parallel_ep_not_dividing_experts", "parallelism", ["ep_size = 2", "does not divide the 3 experts"],
+     lambda out: train(out, ep_size=2, model=tiny_qwen3_moe(experts=3)))
+case("parallel_ep_not_dividing_ranks", "parallelism", ["ep_size = 4", "dp_shard x cp x tp = 2"],
+     lambda out: train(out, ep_size=4, model=tiny_qwen3_moe()))
+case("parallel_ep_no_shard", "parallelism", ["ep_size = 2", "dp_shard x cp x tp = 1"],
+     lambda out: train(out, ep_size=2, model=tiny_qwen3_moe(), fsdp_config={"sharding_strategy": "NO_SHARD"}))
+case("parallel_ep_with_tp", "parallelism", ["ep_size = 2", "tp_size = 2", "not supported"],
+     lambda out: train(out, ep_size=2, tp_size=2, model=tiny_qwen3_moe()))
+case("parallel_ep_lora", "parallelism", ["ep_size = 2", "LoRA"],
+     lambda out: train(out, ep_size=2, model=lora_moe()))
+case("parallel_cp_router_loss", "parallelism", ["cp_size = 2", "output_router_logits"],
+     lambda out: train(out, cp_size=2, model=tiny_qwen3_moe()))
 case("args_cp_and_tp", "arguments", ["cp_size", "tp_size"], lambda out: args(out, cp_size=2, tp_size=2))
 case("args_tp_plan_type", "arguments", ["tp_plan"], lambda out: args(out, tp_plan=["colwise"]))
 case("parallel_tp_not_dividing", "parallelism", ["tp_size=3", "3 does not divide the 2 ranks"],
