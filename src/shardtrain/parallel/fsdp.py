@@ -240,8 +240,9 @@ def apply_fsdp(
             continue
         if expert_mesh.size(expert_mesh.ndim - 1) > 1:
             experts.set_gradient_divide_factor(expert_grad_divide_factor)
-        else:  # FSDP2 (torch 2.13) divides twice by a custom factor when its reduce-scatter group has one rank:
-            # keep its default divisor (the replicate size) and let `rescale_expert_grads` finish the job
+        else:  # with a one-rank reduce-scatter group and SUM-only reduction (gloo), FSDP2 (torch 2.13) divides by a
+            # custom factor twice (the copy and the post-divide): keep its default divisor (the replicate size)
+            # and let `rescale_expert_grads` apply the rest
             setattr(experts, GRAD_RESCALE, expert_mesh.size() / expert_grad_divide_factor)
     for unit in units:
         fully_shard(unit, reshard_after_forward=config.reshard_after_forward, **common)

@@ -219,7 +219,8 @@ def run_job(knobs: dict) -> None:
             "grad_norms": [e["grad_norm"] for e in train_logs], "lrs": [e["learning_rate"] for e in train_logs],
             "eval_loss": metrics["eval_loss"], "global_step": state.global_step,
             "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))},
-            "generated": generated, "layout": trainer.dims.describe(), "expert_bytes": expert_bytes.per_rank if expert_bytes else None,
+            "generated": generated, "layout": trainer.dims.describe(),
+            "expert_bytes": expert_bytes.per_rank if expert_bytes else None,
             "param_dtypes": {kind: sorted({str(p.dtype) for p in trainer.model.parameters()
                                            if p.requires_grad == (kind == "trainable")})
                              for kind in ("trainable", "frozen")}}))
