@@ -1,9 +1,10 @@
-"""Expert parallelism with FSDP2 on a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss on, clipping active):
-4 ranks with ep 2 (expert-FSDP 2) and ep 4 (expert-FSDP 1) equal one process, with gradient accumulation and
-activation checkpointing too; each rank holds 1/(ep x efsdp) of the experts' bytes; an ep 2 x fsdp 2 checkpoint
-resumes bit-identically on the same layout and within 1e-6 on 2 ranks without ep; save_model, a
-FULL_STATE_DICT checkpoint and `shardtrain merge` of a sharded one give normal transformers checkpoints (experts in
-the model's own (E, 2I, H) layout)."""
+"""Expert parallelism with FSDP2 on a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss on, clipping active).
+
+4 ranks with ep 2 (expert-FSDP 2) and ep 4 (expert-FSDP 1) equal one process, also with gradient accumulation,
+activation checkpointing, and HSDP (2 replicas x dp_shard 2, ep 2) with foreach AdamW; each rank holds
+1/(ep x efsdp) of the experts' bytes; an ep 2 x fsdp 2 checkpoint resumes bit-identically on the same layout and
+within 1e-6 on 2 ranks without ep; save_model, a FULL_STATE_DICT checkpoint and `shardtrain merge` of a sharded
+one give normal transformers checkpoints (experts in the model's own (E, 2I, H) layout)."""
 
 import json
 from pathlib import Path
@@ -34,6 +35,8 @@ def runs(tmp_path_factory):
          "ep_size": 2},
         {**MOE, "out": str(root / "ep2_ac"), "per_device_train_batch_size": 2, "ep_size": 2,
          "fsdp_config": {"activation_checkpointing": True}},
+        {**MOE, "out": str(root / "ep2_hsdp_foreach"), "per_device_train_batch_size": 2, "ep_size": 2,
+         "optim": "adamw_torch", "fsdp_config": {"sharding_strategy": "HYBRID_SHARD", "dp_shard_size": 2}},
         {"model": "qwen3_moe", "out": str(root / "ep2_resumed"), "per_device_train_batch_size": 2, "ep_size": 2,
          "resume": checkpoint, "fsdp_config": SHARDED}]))
     torchrun(WORKER, 2, json.dumps([{"model": "qwen3_moe", "out": str(root / "ep1_resumed"),
@@ -42,7 +45,7 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4", "ep2_ac"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "ep2_ac", "ep2_hsdp_foreach"])
 def test_ep_equals_one_process(runs, name):
     assert_same_training(runs, "ref", name, tol=1e-5, weight_tol=1e-4)
     assert max(run_result(runs, name)["grad_norms"]) > 1.0  # max_grad_norm 1.0: clipping is active

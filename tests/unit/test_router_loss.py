@@ -34,6 +34,21 @@ def test_loss_equals_transformers_moe_loss(coef):
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0  # the router learns from the term
 
 
+def test_mixtral_config_names_its_experts_num_local_experts():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                             num_experts_per_tok=2, output_router_logits=True,
+                                             router_aux_loss_coef=0.1, max_position_embeddings=64))
+    batch = _batch()
+    losses, router = LossComputer(model, torch.device("cpu")), RouterLoss(model, None)
+    ce_sum, outputs = losses.compute(batch)
+    ours = ce_sum / losses.items(batch) + router.local_share(outputs, batch)
+    assert ours.item() == pytest.approx(model(**batch).loss.item(), abs=1e-6)
+
+
 def test_router_loss_off_without_router_logits():
     model = tiny_qwen3_moe()
     model.config.output_router_logits = False
