@@ -225,7 +225,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="tiny,50m")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved launches per mode (full: 3, quick: 1)")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma list of raw, shardtrain, hf and raw_head (raw + shardtrain's norm/lm_head unit)")
+                        help="comma list of raw, shardtrain, hf, raw_head (raw + shardtrain's norm/lm_head unit), "
+                             "shardtrain_glibc_malloc, shardtrain_no_shard, shardtrain_compile")
     parser.add_argument("--no-state", action="store_true", help="skip the model-state bytes at N = 1, 2, 4")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the results as markdown tables")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
@@ -292,9 +293,17 @@ def main() -> None:
             size_result["single_process_lower_bound"] = pooled([{**single[size], "launch": single["launch"]}]) \
                 if size in single else {"error": single.get("error"), "stderr_tail": single.get("stderr_tail")}
             pairs = [("shardtrain", "raw"), ("shardtrain", "hf"), ("shardtrain", "raw_head"), ("raw_head", "raw"),
-                     ("raw", "single_process_lower_bound")]
+                     ("raw", "single_process_lower_bound"), ("shardtrain", "single_process_lower_bound"),
+                     ("shardtrain", "shardtrain_glibc_malloc"), ("shardtrain_no_shard", "hf"),
+                     ("shardtrain_compile", "shardtrain")]
             size_result["ratios"] = {f"{a}/{b}": ratio(size_result[a], size_result[b]) for a, b in pairs
                                      if a in size_result and b in size_result}
+            bound = size_result["single_process_lower_bound"].get("step_time_s_median")
+            # the issue's efficiency measure: a mode's step / the compute a rank cannot avoid (goal <= 1.5)
+            size_result["step_over_compute_bound"] = {
+                mode: round(entry["step_time_s_median"] / bound, 3) for mode, entry in size_result.items()
+                if isinstance(entry, dict) and entry.get("step_time_s_median") and bound
+                and mode != "single_process_lower_bound"}
             # the same ratios from rank 0's CPU seconds per step (less sensitive to other load on the machine)
             size_result["ratios_cpu_time"] = {f"{a}/{b}": cpu_ratio(size_result[a], size_result[b]) for a, b in pairs
                                               if a in size_result and b in size_result}

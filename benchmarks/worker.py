@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 \\
         benchmarks/worker.py --mode raw --size tiny --steps 60 --warmup 10 --out /tmp/raw_tiny.json
-    # --mode raw | shardtrain | hf   (training throughput + memory, 2 ranks); raw_head: raw + a norm/lm_head unit
+    # --mode raw | shardtrain | hf   (training throughput + memory, 2 ranks); raw_head: raw + a norm/lm_head unit;
+    #        shardtrain_glibc_malloc | shardtrain_no_shard | shardtrain_compile: variants (SHARDTRAIN_VARIANTS)
     # --mode state --sizes tiny,50m  (model-state bytes per rank after one AdamW step, any number of ranks;
     #                                 --submeshes 1,2,4 on 4 ranks measures N = 1, 2, 4 in one launch)
     OMP_NUM_THREADS=1 python benchmarks/worker.py --mode single --sizes tiny,50m --steps 10 --warmup 2 \\
@@ -152,11 +153,22 @@ def run_raw(cli: argparse.Namespace, spec: SizeSpec) -> None:
 
 
 # -- shardtrain Trainer --------------------------------------------------------------------------------
+# shardtrain variants: mode -> (fsdp_config overrides, TrainingArguments overrides, environment)
+SHARDTRAIN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, str]]] = {
+    "shardtrain": ({}, {}, {}),
+    "shardtrain_glibc_malloc": ({}, {}, {"SHARDTRAIN_CPU_ALLOCATOR": "default"}),  # glibc's own malloc settings
+    "shardtrain_no_shard": ({"sharding_strategy": "NO_SHARD"}, {}, {}),  # DDP-equivalent: replicate, all-reduce
+    "shardtrain_compile": ({}, {"torch_compile": True}, {}),  # each FSDP unit compiled (inductor) before sharding
+}
+
+
 def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
     from shardtrain import Trainer, TrainingArguments
     from shardtrain.parallel.distributed import init_distributed
     from shardtrain.train.state import TrainerCallback
 
+    config_overrides, arg_overrides, environment = SHARDTRAIN_VARIANTS[cli.mode]
+    os.environ.update(environment)
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     total = cli.warmup + cli.steps
@@ -187,9 +199,9 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
             learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
             lr_scheduler_type="linear", warmup_steps=0, seed=SEED, logging_steps=10**9, save_strategy="no",
             report_to="none", disable_tqdm=True, fsdp=True,
-            optim="adamw_torch_fused" if FUSED_ADAMW else "adamw_torch",
+            optim="adamw_torch_fused" if FUSED_ADAMW else "adamw_torch", **arg_overrides,
             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYER_CLASS],
-                         "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT"})
+                         "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT", **config_overrides})
         trainer = Trainer(build_model(spec), args, train_dataset=samples, callbacks=[Timing()])
         holder["trainer"] = trainer
         if stage.enabled:
@@ -199,7 +211,9 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
     stage.write(cli.steps)
     losses = [e["loss"] for e in state.log_history if "loss" in e]
     tokens = spec.per_device_batch * spec.seq_len * world
-    result = {"mode": "shardtrain", "size": spec.name, "world_size": world,
+    durations = timer.durations()
+    result = {"mode": cli.mode, "size": spec.name, "world_size": world,
+              "first_step_s": round(durations[0], 3) if durations else None,  # compile happens here
               "timing": summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens),
               "rusage_per_step_rank0": timer.usage_per_step(cli.warmup),
               "global_steps": state.global_step, "mean_loss": losses[-1] if losses else None,
@@ -409,7 +423,8 @@ def run_state(cli: argparse.Namespace, specs: list[SizeSpec]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", required=True, choices=["raw", "raw_head", "shardtrain", "hf", "single", "state"],
+    parser.add_argument("--mode", required=True,
+                        choices=["raw", "raw_head", *SHARDTRAIN_VARIANTS, "hf", "single", "state"],
                         help="raw_head: raw plus shardtrain's extra FSDP unit (final norm + lm_head)")
     parser.add_argument("--size", choices=sorted(SIZES), help="model size (raw / shardtrain / hf)")
     parser.add_argument("--sizes", default="tiny,50m", help="comma list (single / state)")
@@ -429,7 +444,8 @@ def main() -> None:
     else:
         if cli.size is None:
             parser.error(f"--mode {cli.mode} needs --size")
-        runners = {"raw": run_raw, "raw_head": run_raw, "shardtrain": run_shardtrain, "hf": run_hf}
+        runners = {"raw": run_raw, "raw_head": run_raw, "hf": run_hf,
+                   **dict.fromkeys(SHARDTRAIN_VARIANTS, run_shardtrain)}
         runners[cli.mode](cli, SIZES[cli.size])
     if dist.is_initialized():
         dist.barrier()

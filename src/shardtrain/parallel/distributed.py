@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.config import env
+from shardtrain.parallel.cpu_allocator import tune_cpu_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     """Initialise the default process group once; a no-op when one exists.
 
     Reads torchrun's environment when present; otherwise makes a 1-rank group. Registers (once per
-    process) the exit handler that drains and destroys the groups when the script ends without doing so.
+    process) the exit handler that drains and destroys the groups when the script ends without doing so. On
+    CPU, sets glibc's malloc to keep FSDP's buffers (`cpu_allocator.py`; SHARDTRAIN_CPU_ALLOCATOR=default: not).
     """
     _register_exit_handler()
     if dist.is_initialized():
@@ -69,6 +71,8 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     device = current_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif device.type == "cpu":
+        tune_cpu_allocator()
     backend = backend_for(device.type)
     timeout = timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -179,6 +180,7 @@ def apply_fsdp(
     mixed_precision: str | None = None,
     expert_mesh: DeviceMesh | None = None,
     expert_grad_divide_factor: float | None = None,
+    compile_options: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 according to `fsdp_config` and return it.
 
@@ -193,6 +195,9 @@ def apply_fsdp(
         expert_grad_divide_factor: what FSDP divides the experts' gradients by. An expert's gradient already
             sums the tokens of every rank of its ep group (the all-to-all's backward), so for the experts and
             the dense parameters to hold the same average it is the dense one: `ParallelDims.grad_average_size`.
+        compile_options: `torch.compile` options (backend, mode) to compile each FSDP unit with, before it is
+            sharded (torchtitan's way: one compiled block per unit, FSDP's hooks and collectives stay outside
+            the graphs); None: eager.
 
     Raises:
         FSDPConfigError: bad wrap settings, or `xla` set without torch_xla.
@@ -231,6 +236,9 @@ def apply_fsdp(
             # A KV cache filled in forward would be filled again by the recomputation (as HF does for
             # gradient checkpointing, turn it off for training; generate still works, without cache reuse).
             model.config.use_cache = False
+    if compile_options is not None:
+        for unit in units:  # in place (`nn.Module.compile`): names and state-dict keys do not change
+            unit.compile(**compile_options)
     for experts in expert_modules(model):
         if expert_mesh is None:
             raise ValueError("apply_fsdp: the model has expert-parallel experts (apply_ep); pass expert_mesh")

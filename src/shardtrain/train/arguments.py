@@ -35,6 +35,7 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 STRATEGIES = ("no", "steps", "epoch")
 REPORTERS = ("tensorboard",)  # metrics.jsonl is always written
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 class _Unset:
@@ -110,6 +111,9 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
     use_cpu: bool = False
     ddp_timeout: int = 1800
     parallelism_config: Any = None
+    torch_compile: bool = False
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
     # shardtrain's own
     cp_size: int | None = None
     cp_regather_kv: bool = True
@@ -159,7 +163,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         """Types first, so later checks compare numbers with numbers (no raw TypeError from a str)."""
         for name in ("save_only_model", "load_best_model_at_end", "save_async", "do_train", "do_eval", "do_predict",
                      "logging_first_step", "eval_on_start", "prediction_loss_only", "remove_unused_columns",
-                     "use_cpu", "dataloader_pin_memory"):
+                     "use_cpu", "dataloader_pin_memory", "torch_compile"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, f"must be True or False, got {getattr(self, name)!r}")
         for name in ("bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "disable_tqdm"):
@@ -289,6 +293,13 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         self.report_to = reporters
         if self.bf16 and self.fp16:
             self._fail("bf16", "and fp16 are both set; choose one mixed precision")
+        if self.torch_compile_mode not in COMPILE_MODES:
+            self._fail("torch_compile_mode", f"got {self.torch_compile_mode!r}; allowed values: {list(COMPILE_MODES)}")
+        if self.torch_compile_backend is not None and not isinstance(self.torch_compile_backend, str):
+            self._fail("torch_compile_backend", f"must be a backend name such as 'inductor', got "
+                       f"{self.torch_compile_backend!r}")
+        if self.torch_compile_backend or self.torch_compile_mode:  # as Hugging Face: either one turns compile on
+            self.torch_compile = True
 
     def _resolve_fsdp(self) -> None:
         try:
@@ -390,6 +401,7 @@ NOTES = {
     "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",
     "ep_size": "expert-parallel size: routed experts of MoE models spread over ep ranks (inside dp_shard x cp)",
     "save_async": "write checkpoints in the background (DCP async save)",
+    "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way",
     "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
     "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",
     "generation_num_beams": "as Seq2SeqTrainingArguments",

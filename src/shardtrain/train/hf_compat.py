@@ -45,7 +45,6 @@ NO_EFFECT: dict[str, str] = {
     "save_on_each_node": "rank 0 writes shared files once (multi-node needs a shared filesystem)",
     "log_on_each_node": "rank 0 logs",
     "use_liger_kernel": "the model runs as built; liger kernels are not applied",
-    "torch_compile": "not applied yet: the model runs eagerly (same results, less speed)",
     "eval_use_gather_object": "predictions are always gathered as arrays",
     "label_names": "labels are read from 'labels' ('label' and 'label_ids' are renamed to it)",
     "dataloader_persistent_workers": "the DataLoader is rebuilt once per epoch",

@@ -63,14 +63,25 @@ class ModelSetupMixin:
                 if self.dims.ep > 1:
                     apply_ep(model, self.meshes.ep, self.meshes.tp)
                 apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision,
-                           expert_mesh=self.meshes.efsdp, expert_grad_divide_factor=self.dims.grad_average_size)
+                           expert_mesh=self.meshes.efsdp, expert_grad_divide_factor=self.dims.grad_average_size,
+                           compile_options=self._compile_options())
             return model
         model.to(self.device)
+        if args.torch_compile:  # no FSDP units: the whole model is one graph
+            model.compile(**self._compile_options())
         if self.world_size > 1:
             raise TrainingArgumentsError(
                 f"Trainer runs on {self.world_size} ranks but fsdp is off; set TrainingArguments(fsdp=True) "
                 "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
         return model
+
+    def _compile_options(self) -> dict[str, Any] | None:
+        """`torch.compile` options from TrainingArguments (Hugging Face's names); None when compile is off."""
+        args = self.args
+        if not args.torch_compile:
+            return None
+        return {"backend": args.torch_compile_backend or "inductor",
+                **({"mode": args.torch_compile_mode} if args.torch_compile_mode else {})}
 
     def _enable_context_parallel(self, model: nn.Module) -> None:
         if self.cp is None:

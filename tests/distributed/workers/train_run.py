@@ -220,6 +220,8 @@ def run_job(knobs: dict) -> None:
             "eval_loss": metrics["eval_loss"], "global_step": state.global_step,
             "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))},
             "generated": generated, "layout": trainer.dims.describe(),
+            "compiled_modules": [n for n, m in trainer.model.named_modules()
+                                 if getattr(m, "_compiled_call_impl", None) is not None],
             "expert_bytes": expert_bytes.per_rank if expert_bytes else None,
             "param_dtypes": {kind: sorted({str(p.dtype) for p in trainer.model.parameters()
                                            if p.requires_grad == (kind == "trainable")})

@@ -1,0 +1,56 @@
+"""glibc malloc settings for CPU training: keep FSDP's big buffers instead of returning them to the kernel.
+
+    SHARDTRAIN_CPU_ALLOCATOR=default shardtrain launch --cpu ...   # leave glibc's own behaviour
+
+FSDP gathers every unit into a fresh buffer and frees it soon after (up to 131 MB on the 50M benchmark model).
+glibc serves allocations above its mmap threshold (128 KiB, rising to at most 32 MiB) with `mmap` and unmaps
+them on free, so every step faults hundreds of thousands of pages back in: about a third of a 50M step was
+system time (benchmarks/README.md). `tune_cpu_allocator` raises the mmap threshold to 256 MiB and the trim
+threshold to 512 MiB with `mallopt`, the same as `MALLOC_MMAP_THRESHOLD_=268435456
+MALLOC_TRIM_THRESHOLD_=536870912`, so freed buffers are reused: a 50M step measured 2.24 s -> ~1.7 s, for
+~0.5 GiB more peak RSS per rank. `init_distributed` calls it on CPU runs however they are started (launch,
+torchrun, plain python). It does nothing when the user set glibc's own variables (`MALLOC_MMAP_THRESHOLD_`,
+`MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES`: theirs win), with `SHARDTRAIN_CPU_ALLOCATOR=default`, or without
+glibc (musl, macOS). GPU runs are untouched: the CUDA caching allocator already keeps its memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+from shardtrain.config import env
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+MMAP_THRESHOLD = 256 << 20
+TRIM_THRESHOLD = 512 << 20
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+CHOICES = ("tuned", "default")
+
+_applied: dict[str, int] | None = None
+
+
+def tune_cpu_allocator() -> dict[str, int] | None:
+    """Apply the settings once per process; returns what was set, or None when left alone.
+
+    Raises:
+        env.EnvError: SHARDTRAIN_CPU_ALLOCATOR is neither "tuned" nor "default".
+    """
+    global _applied
+    choice = os.environ.get(env.CPU_ALLOCATOR, "tuned").strip().lower() or "tuned"
+    if choice not in CHOICES:
+        raise env.EnvError(f"environment variable {env.CPU_ALLOCATOR}={choice!r} is not one of {list(CHOICES)}; "
+                           "unset it (tuned) or set it to 'default' to keep glibc's own malloc behaviour")
+    if _applied is not None or choice == "default" or any(name in os.environ for name in USER_SETTINGS):
+        return _applied
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:  # not glibc
+        return None
+    if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
+        _applied = {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
+    return _applied
