@@ -131,6 +131,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "sharding": ok[0].get("what_hf_did") or ok[0].get("sharding"),
         "mean_loss": ok[0].get("mean_loss", ok[0].get("mean_loss_rank0")),
         "cpu_busy_percent_before_launch": [r["launch"]["cpu_busy_percent_before"] for r in ok],
+        "first_step_s": [r.get("first_step_s") for r in ok],  # torch_compile compiles during the first step
     })
     return summary
 
