@@ -1,0 +1,201 @@
+"""GPU throughput: a ~1.2B-parameter Llama trained with shardtrain's Trainer and with a raw `fully_shard` loop.
+
+    python benchmarks/gpu.py --out gpu.json                  # CUDA: every GPU of the machine, 1B Llama, bf16
+    python benchmarks/gpu.py --tiny --out /tmp/gpu_tiny.json # CPU (gloo), a tiny Llama: what the test suite runs
+
+One `python -m torch.distributed.run --nproc_per_node <GPUs>` launch of this file (`--worker`) runs four modes one
+after the other on the same model (Llama-3.2-1B's shape, built from a config, random weights and tokens; nothing
+is downloaded): {trainer, raw} x {eager, compile}, all with bf16 (FSDP2 `MixedPrecisionPolicy`: bf16 compute,
+fp32 reductions and master weights), activation checkpointing on every decoder layer, fused AdamW, clipping at
+1.0. `trainer` is `shardtrain.Trainer` (fsdp_config activation_checkpointing, `torch_compile`); `raw` is the
+smallest loop on `fully_shard` with the same settings (per-layer `checkpoint_wrapper` and `module.compile()`).
+
+Reported per mode: tokens/s per GPU and step time (median of the timed steps, after --warmup), MFU = model
+FLOPs per step (6 x non-embedding parameters x tokens + 12 x layers x hidden x seq x tokens, PaLM's count) / step
+time / the device's peak dense bf16 FLOP/s (known devices below, or --peak-tflops), peak memory
+(`torch.cuda.max_memory_allocated`; on CPU none), the first step's time (compile happens there) and the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LLAMA_1B = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+            "max_position_embeddings": 4096}
+TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 128}
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense
+MODES = ("trainer_eager", "trainer_compile", "raw_eager", "raw_compile")
+
+
+def model_flops_per_token(config: dict[str, Any], seq: int, non_embedding_params: int) -> float:
+    return 6.0 * non_embedding_params + 12.0 * config["num_hidden_layers"] * config["hidden_size"] * seq
+
+
+def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in device_name), None)
+
+
+def worker(cli: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardtrain import Trainer, TrainerCallback, TrainingArguments
+    from shardtrain.parallel.distributed import current_device, destroy_distributed, init_distributed
+
+    init_distributed()
+    rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
+    shape = TINY if cli.tiny else LLAMA_1B
+    seq, batch, total = cli.seq, cli.batch, cli.warmup + cli.steps
+    cuda = device.type == "cuda"
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
+
+    def samples() -> list[dict[str, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(1)
+        return [{"input_ids": ids, "labels": ids} for ids in
+                torch.randint(0, shape["vocab_size"], (total * batch * world, seq), generator=gen)]
+
+    def raw_run(compile_: bool) -> tuple[list[float], list[float]]:
+        model = build().to(device)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for index, layer in enumerate(model.model.layers):
+            wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
+            if compile_:
+                wrapped.compile()
+            fully_shard(wrapped, mp_policy=mp)
+            model.model.layers[index] = wrapped
+        fully_shard(model, mp_policy=mp)
+        if dist.get_backend() == "gloo":
+            for module in model.modules():
+                if hasattr(module, "set_force_sum_reduction_for_comms"):
+                    module.set_force_sum_reduction_for_comms(True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        data = samples()[rank::world]
+        times, losses = [], []
+        for step in range(total):
+            started = time.perf_counter()
+            ids = torch.stack([s["input_ids"] for s in data[step * batch:(step + 1) * batch]]).to(device)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())  # syncs the device: the step is done
+            times.append(time.perf_counter() - started)
+        return times, losses
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not self.marks:
+                self.marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            self.marks.append(time.perf_counter())
+
+    def trainer_run(compile_: bool) -> tuple[list[float], list[float]]:
+        timer = Timer()
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), fsdp=True, bf16=True, torch_compile=compile_,
+                                 per_device_train_batch_size=batch, max_steps=total, learning_rate=1e-4,
+                                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                                 report_to="none", disable_tqdm=True,
+                                 fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                              "activation_checkpointing": True})
+        trainer = Trainer(build(), args, train_dataset=samples(), callbacks=[timer])
+        trainer.train()
+        times = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
+        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    with torch.device("meta"):
+        meta = build()
+    params = sum(p.numel() for p in meta.parameters())
+    non_embedding = params - shape["vocab_size"] * shape["hidden_size"]
+    flops_per_step = model_flops_per_token(shape, seq, non_embedding) * seq * batch  # per GPU
+    peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu", cli.peak_tflops)
+    results: dict[str, Any] = {}
+    for mode in cli.modes.split(","):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        kind, how = mode.split("_")
+        times, losses = (trainer_run if kind == "trainer" else raw_run)(how == "compile")
+        median = statistics.median(times[cli.warmup:])
+        results[mode] = {
+            "step_s_median": round(median, 4), "first_step_s": round(times[0], 3),
+            "tokens_per_s_per_gpu": round(seq * batch / median, 1),
+            "mfu": round(flops_per_step / median / peak, 4) if peak else None,
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else None,
+            "losses": [round(loss, 5) for loss in losses]}
+        dist.barrier()
+    if rank == 0:
+        Path(cli.out_file).write_text(json.dumps({
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "world_size": world,
+            "params": params, "non_embedding_params": non_embedding, "seq_len": seq, "per_device_batch": batch,
+            "peak_bf16_flops": peak, "model_flops_per_step_per_gpu": flops_per_step,
+            "torch": torch.__version__, "modes": results}))
+    destroy_distributed()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out-file", help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama on CPU (what the tests run)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10, tiny 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, tiny 1)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, tiny 32)")
+    parser.add_argument("--batch", type=int, default=None, help="per-GPU batch (default 2, tiny 2)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; tiny 2)")
+    parser.add_argument("--out", default=None)
+    cli = parser.parse_args()
+    cli.steps = cli.steps or (3 if cli.tiny else 10)
+    cli.warmup = cli.warmup if cli.warmup is not None else (1 if cli.tiny else 3)
+    cli.seq, cli.batch = cli.seq or (32 if cli.tiny else 2048), cli.batch or 2
+    if cli.worker:
+        worker(cli)
+        return
+    import torch
+    from bench_common import emit, run_worker
+
+    nproc = cli.nproc or (2 if cli.tiny else max(torch.cuda.device_count(), 1))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE),
+                                                                                 os.environ.get("PYTHONPATH", "")])}
+    if cli.tiny:
+        env["SHARDTRAIN_CPU"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(Path(__file__)),
+               "--worker", "--out-file", str(out_file), "--modes", cli.modes, "--steps", str(cli.steps),
+               "--warmup", str(cli.warmup), "--seq", str(cli.seq), "--batch", str(cli.batch)]
+        cmd += ["--tiny"] if cli.tiny else []
+        cmd += ["--peak-tflops", str(cli.peak_tflops)] if cli.peak_tflops else []
+        run_worker(cmd, env, "gpu worker")
+        result = {"benchmark": "gpu", "tiny": cli.tiny, **json.loads(out_file.read_text())}
+    emit(result, cli.out)
+
+
+if __name__ == "__main__":
+    main()
