@@ -1,7 +1,8 @@
 """Expert parallelism with FSDP2 on a tiny Qwen3-MoE (8 experts, top-2, load-balancing loss on, clipping active).
 
 4 ranks with ep 2 (expert-FSDP 2) and ep 4 (expert-FSDP 1) equal one process, also with gradient accumulation,
-activation checkpointing, and HSDP (2 replicas x dp_shard 2, ep 2) with foreach AdamW; each rank holds
+activation checkpointing, HSDP (2 replicas x dp_shard 2, ep 2) with foreach AdamW, and tp 2 x dp_shard 2 with
+ep 2 (the ep groups are the tp groups) and ep 4 (attention tensor-parallel, experts expert-parallel); each rank holds
 1/(ep x efsdp) of the experts' bytes; an ep 2 x fsdp 2 checkpoint resumes bit-identically on the same layout and
 within 1e-6 on 2 ranks without ep; save_model, a FULL_STATE_DICT checkpoint and `shardtrain merge` of a sharded
 one give normal transformers checkpoints (experts in the model's own (E, 2I, H) layout)."""
@@ -35,6 +36,8 @@ def runs(tmp_path_factory):
          "ep_size": 2},
         {**MOE, "out": str(root / "ep2_ac"), "per_device_train_batch_size": 2, "ep_size": 2,
          "fsdp_config": {"activation_checkpointing": True}},
+        {**MOE, "out": str(root / "tp2_ep2"), "per_device_train_batch_size": 4, "tp_size": 2, "ep_size": 2},
+        {**MOE, "out": str(root / "tp2_ep4"), "per_device_train_batch_size": 4, "tp_size": 2, "ep_size": 4},
         {**MOE, "out": str(root / "ep2_hsdp_foreach"), "per_device_train_batch_size": 2, "ep_size": 2,
          "optim": "adamw_torch", "fsdp_config": {"sharding_strategy": "HYBRID_SHARD", "dp_shard_size": 2}},
         {"model": "qwen3_moe", "out": str(root / "ep2_resumed"), "per_device_train_batch_size": 2, "ep_size": 2,
@@ -45,7 +48,7 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4", "ep2_ac", "ep2_hsdp_foreach"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "ep2_ac", "ep2_hsdp_foreach", "tp2_ep2", "tp2_ep4"])
 def test_ep_equals_one_process(runs, name):
     assert_same_training(runs, "ref", name, tol=1e-5, weight_tol=1e-4)
     assert max(run_result(runs, name)["grad_norms"]) > 1.0  # max_grad_norm 1.0: clipping is active
@@ -110,3 +113,7 @@ def test_shardtrain_merge_of_an_ep_checkpoint(runs, tmp_path):
                            str(tmp_path / "merged")], env=worker_env(), capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     _assert_loads_as(tmp_path / "merged", runs / "ep2" / "weights.pt")
+
+
+def test_tp_ep_layout(runs):
+    assert "dp_shard 2 x cp 1 x tp 2 x ep 4 = 4 ranks" in run_result(runs, "tp2_ep4")["layout"]

@@ -12,13 +12,14 @@ context-parallel group are neighbours (on one node). Purposes:
     loss   batch x cp                     where (loss sum, token count) pairs are reduced
     cp     cp                             sequence sharding and K/V gathering
     tp     tp                             tensor-parallel layers
-    ep     ep (inside dp_shard x cp)      routed experts: each rank owns num_experts / ep of them
-    efsdp  (dp_replicate,) dp_shard x cp / ep   what `fully_shard` shards each rank's experts over
+    ep     ep (inside dp_shard x cp x tp) routed experts: each rank owns num_experts / ep of them
+    efsdp  (dp_replicate,) dp_shard x cp x tp / ep   what `fully_shard` shards each rank's experts over
 
-Expert parallelism borrows its ranks from dp_shard x cp (torchtitan's layout): the ep ranks of one group are
-neighbours, and the experts are sharded further over the efsdp ranks that hold the same experts. These two come
-from a second root mesh (dp_replicate, efsdp, ep) over the same ranks, so FSDP2 sees the experts' ep mesh and
-their efsdp mesh as siblings.
+Expert parallelism borrows its ranks from dp_shard x cp x tp (torchtitan's layout): the ep ranks of one group are
+neighbours (with tp, an ep group of size tp is the tp group: its ranks share a batch and split its tokens), and
+the experts, not tensor-parallel themselves, are sharded further over the efsdp ranks that hold the same
+experts. These two come from a second root mesh (dp_replicate, efsdp, ep) over the same ranks, so FSDP2 sees the
+experts' ep mesh and their efsdp mesh as siblings.
 """
 
 from __future__ import annotations
@@ -94,14 +95,6 @@ class ParallelDims:
             raise ParallelDimsError(
                 f"ep_size = {ep} must divide dp_shard x cp x tp = {dp_shard * cp * tp} (experts are spread over "
                 f"those ranks); choose a divisor of {dp_shard * cp * tp}")
-        if ep > 1 and tp > 1:
-            raise ParallelDimsError(
-                f"ep_size = {ep} with tp_size = {tp}: expert parallelism together with tensor parallelism is not "
-                f"supported yet; use ep_size {ep} with tp_size 1 (experts over dp_shard x cp = {dp_shard * cp})")
-        if ep > 1 and (dp_shard * cp) % ep:
-            raise ParallelDimsError(
-                f"ep_size = {ep} must divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp} (expert-parallel "
-                f"ranks come from the sharded data-parallel ranks); choose a divisor of {dp_shard * cp}")
         return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=world_size)
 
     @property
@@ -111,8 +104,8 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """Ranks that hold the same experts and shard them (dp_shard x cp / ep)."""
-        return self.dp_shard * self.cp // self.ep
+        """Ranks that hold the same experts and shard them (dp_shard x cp x tp / ep)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def grad_average_size(self) -> int:
@@ -142,7 +135,7 @@ class ParallelDims:
         fsdp = _hsdp_mesh(world, shard_cp) if self.dp_replicate > 1 else shard_cp
         loss = world["dp_replicate", "dp_shard", "cp"]._flatten("loss")
         ep = efsdp = None
-        if self.ep > 1:  # same ranks, same order (tp is 1): rank = (replicate, efsdp, ep) row-major
+        if self.ep > 1:  # same ranks, same order: rank = (replicate, efsdp, ep) row-major
             sparse = init_device_mesh(device_type, (self.dp_replicate, self.efsdp, self.ep),
                                       mesh_dim_names=("dp_replicate", "efsdp", "ep"))
             ep = sparse["ep"]

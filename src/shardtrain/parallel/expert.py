@@ -49,6 +49,14 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
             if any(plan_matches(pattern, name) for pattern in patterns)}
 
 
+def without_experts(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """`tp_plan` without the entries of the routed experts (under ep they are expert-parallel, not tensor-parallel:
+    torchtitan's ETP = 1)."""
+    experts = [pattern for pattern, style in model_ep_plan(model).items() if style == "ep_dispatch_experts"]
+    return {pattern: style for pattern, style in tp_plan.items()
+            if not any(pattern == e or pattern.startswith(e + ".") for e in experts)}
+
+
 def check_ep(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     """The experts modules `ep` can shard; refuses a dense model and an `ep` not dividing the experts.
 

@@ -13,10 +13,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
-from shardtrain.parallel.expert import apply_ep
+from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.loading import load_pretrained
-from shardtrain.parallel.tensor import apply_tp
+from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 from shardtrain.train.arguments import TrainingArgumentsError
 from shardtrain.train.lora import PeftError, add_adapters, is_peft_model
 from shardtrain.train.loss import is_causal_lm
@@ -59,7 +59,9 @@ class ModelSetupMixin:
             if not isinstance(model, FSDPModule):
                 model.to(self.device)
                 if self.dims.tp > 1:  # torchtitan's order: tensor parallel, then checkpointing and FSDP
-                    apply_tp(model, self.meshes.tp, args.tp_plan)
+                    plan = args.tp_plan if args.tp_plan is not None else model_tp_plan(model)
+                    apply_tp(model, self.meshes.tp, without_experts(model, plan) if self.dims.ep > 1 else plan,
+                             strict=args.tp_plan is not None)
                 if self.dims.ep > 1:
                     apply_ep(model, self.meshes.ep, self.meshes.tp)
                 apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision,

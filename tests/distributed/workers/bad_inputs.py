@@ -154,8 +154,8 @@ case("parallel_ep_not_dividing_ranks", "parallelism", ["ep_size = 4", "dp_shard 
      lambda out: train(out, ep_size=4, model=tiny_qwen3_moe()))
 case("parallel_ep_no_shard", "parallelism", ["ep_size = 2", "dp_shard x cp x tp = 1"],
      lambda out: train(out, ep_size=2, model=tiny_qwen3_moe(), fsdp_config={"sharding_strategy": "NO_SHARD"}))
-case("parallel_ep_with_tp", "parallelism", ["ep_size = 2", "tp_size = 2", "not supported"],
-     lambda out: train(out, ep_size=2, tp_size=2, model=tiny_qwen3_moe()))
+case("parallel_tp_moe_without_ep", "parallelism", ["tp_size = 2", "Qwen3MoeForCausalLM", "experts", "ep_size"],
+     lambda out: train(out, tp_size=2, model=tiny_qwen3_moe()))
 case("parallel_ep_lora", "parallelism", ["ep_size = 2", "LoRA"],
      lambda out: train(out, ep_size=2, model=lora_moe()))
 case("parallel_cp_router_loss", "parallelism", ["cp_size = 2", "output_router_logits"],
