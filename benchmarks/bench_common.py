@@ -229,6 +229,27 @@ def run_worker(cmd: list[str], env: dict[str, str], what: str, cwd: str | os.Pat
         sys.exit(f"{what} failed:\n{proc.stderr[-4000:]}")
 
 
+def launch_self(script: str | os.PathLike, nproc: int, args: list[str], what: str, cpu: bool = True) -> Any:
+    """Run `script --worker --out-file F ARGS` on `nproc` ranks (torch.distributed.run, 1 thread per rank, this
+    folder on PYTHONPATH) and return the JSON its rank 0 wrote to F; exit with stderr's end when it fails."""
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    if cpu:
+        env["SHARDTRAIN_CPU"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(script),
+               "--worker", "--out-file", str(out_file), *args]
+        run_worker(cmd, env, what, cwd=here.parent)
+        return json.loads(out_file.read_text())
+
+
 def emit(result: dict[str, Any], out: str | os.PathLike | None) -> None:
     """Print the benchmark's JSON and write it to `out` when given."""
     import json

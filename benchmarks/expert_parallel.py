@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -120,18 +118,12 @@ def main() -> None:
     if cli.worker:
         worker(cli)
         return
-    from bench_common import emit, run_worker
+    from bench_common import emit, launch_self
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDTRAIN_CPU": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", str(Path(__file__)), "--worker",
-               "--out-file", str(out_file)]
-        run_worker(cmd, env, "expert_parallel worker", cwd=REPO)
-        result = {"benchmark": "expert_parallel", "ranks": 4, "model": MOE, "seq_len": SEQ,
-                  "per_device_batch": PER_DEVICE, "modes": json.loads(out_file.read_text()),
-                  "expected": "share_* = 1 / (ep x efsdp) = 0.25 in every mode; held unsharded = layer experts / ep"}
+    modes = launch_self(Path(__file__), 4, [], "expert_parallel worker")
+    result = {"benchmark": "expert_parallel", "ranks": 4, "model": MOE, "seq_len": SEQ, "per_device_batch": PER_DEVICE,
+              "modes": modes,
+              "expected": "share_* = 1 / (ep x efsdp) = 0.25 in every mode; held unsharded = layer experts / ep"}
     emit(result, cli.out)
 
 

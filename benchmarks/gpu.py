@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -178,22 +176,14 @@ def main() -> None:
         worker(cli)
         return
     import torch
-    from bench_common import emit, run_worker
+    from bench_common import emit, launch_self
 
     nproc = cli.nproc or (2 if cli.tiny else max(torch.cuda.device_count(), 1))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE),
-                                                                                 os.environ.get("PYTHONPATH", "")])}
-    if cli.tiny:
-        env["SHARDTRAIN_CPU"] = "1"
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), str(Path(__file__)),
-               "--worker", "--out-file", str(out_file), "--modes", cli.modes, "--steps", str(cli.steps),
-               "--warmup", str(cli.warmup), "--seq", str(cli.seq), "--batch", str(cli.batch)]
-        cmd += ["--tiny"] if cli.tiny else []
-        cmd += ["--peak-tflops", str(cli.peak_tflops)] if cli.peak_tflops else []
-        run_worker(cmd, env, "gpu worker")
-        result = {"benchmark": "gpu", "tiny": cli.tiny, **json.loads(out_file.read_text())}
+    args = ["--modes", cli.modes, "--steps", str(cli.steps), "--warmup", str(cli.warmup), "--seq", str(cli.seq),
+            "--batch", str(cli.batch), *(["--tiny"] if cli.tiny else []),
+            *(["--peak-tflops", str(cli.peak_tflops)] if cli.peak_tflops else [])]
+    result = {"benchmark": "gpu", "tiny": cli.tiny, **launch_self(Path(__file__), nproc, args, "gpu worker",
+                                                                  cpu=cli.tiny)}
     emit(result, cli.out)
 
 

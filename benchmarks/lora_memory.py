@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -104,17 +101,10 @@ def main() -> None:
     if cli.worker:
         worker(cli)
         return
-    from bench_common import emit, run_worker
+    from bench_common import emit, launch_self
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDTRAIN_CPU": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(Path(__file__)), "--worker",
-               "--size", cli.size, "--out-file", str(out_file)]
-        run_worker(cmd, env, "lora_memory worker", cwd=REPO)
-        result = {"benchmark": "lora_memory", "size": cli.size, "ranks": 2, "modes": json.loads(out_file.read_text()),
-                  "goal": "lora <= 0.3 x full"}
+    modes = launch_self(Path(__file__), 2, ["--size", cli.size], "lora_memory worker")
+    result = {"benchmark": "lora_memory", "size": cli.size, "ranks": 2, "modes": modes, "goal": "lora <= 0.3 x full"}
     emit(result, cli.out)
 
 
