@@ -37,9 +37,11 @@ def human(n: float) -> str:
     """Bytes in binary units, 3 significant digits."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+            if unit == "B" or abs(n) >= 100:
+                return f"{n:.0f} {unit}"
+            return f"{n:.1f} {unit}" if abs(n) >= 10 else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n} B"
+    return f"{n:.0f} TiB"
 
 
 @dataclass(frozen=True)

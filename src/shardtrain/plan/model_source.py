@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from shardtrain.errors import UserError
 
@@ -71,12 +71,14 @@ def _from_module(module: nn.Module) -> Callable[[], nn.Module]:
         if not isinstance(mode, FakeTensorMode):
             raise RuntimeError("build() runs under the planner's FakeTensorMode")
         memo: dict[int, Any] = {}
+        with unset_fake_temporarily():  # the real tensors are only read for their metadata
+            real = {id(t): t.detach() for t in [*module.parameters(), *module.buffers()]}
         for param in module.parameters():
             if id(param) not in memo:  # tied parameters stay tied: one fake tensor per real one
-                memo[id(param)] = nn.Parameter(mode.from_tensor(param.detach()), requires_grad=param.requires_grad)
+                memo[id(param)] = nn.Parameter(mode.from_tensor(real[id(param)]), requires_grad=param.requires_grad)
         for buffer in module.buffers():
             if id(buffer) not in memo:
-                memo[id(buffer)] = mode.from_tensor(buffer)
+                memo[id(buffer)] = mode.from_tensor(real[id(buffer)])
         return copy.deepcopy(module, memo)
     return build
 

@@ -93,7 +93,8 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         optimizer: "adamw_torch_fused" (the Trainer's default) or "adamw_torch".
         lora_rank: > 0: LoRA adapters of that rank on every linear layer (the base frozen).
         device_memory: e.g. "80GiB": say whether the peak fits, and what would make it fit.
-        target: "cuda" (CPU offload keeps sharded state on the host) or "cpu" (everything on one memory).
+        target: "cuda" (NCCL; CPU offload keeps sharded state on the host) or "cpu" (gloo, whose reduce-scatter
+            clones its input; everything on one memory).
         tflops, link_gbps: the step-time rates; a missing one is measured on this machine.
         estimate_step_time: False: skip the rate calibration and the step time.
         what_if: also trace the other activation-checkpointing setting (per-layer rows and advice).
@@ -120,7 +121,8 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
                         f"2 x cp chunks; use a multiple of {2 * dims.cp}")
     precision = "bf16" if bf16 else (config.mixed_precision or "no")
     setup = StepSetup(dims=dims, fsdp_config=config, per_device_batch=per_device_batch, seq_len=seq_len,
-                      mixed_precision=precision, optimizer=optimizer, lora_rank=lora_rank)
+                      mixed_precision=precision, optimizer=optimizer, lora_rank=lora_rank,
+                      backend="gloo" if target == "cpu" else "nccl")
     trace = trace_step(build, setup)
     other = None
     if what_if and trace.units:
@@ -129,7 +131,7 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     ac_trace, no_ac_trace = (trace, other) if config.activation_checkpointing else (other, trace)
     settings = {"world_size": dims.world_size, "parallel": dims.describe(), "per_device_batch": per_device_batch,
                 "seq_len": seq_len, "mixed_precision": precision, "optimizer": optimizer, "lora_rank": lora_rank,
-                "target": target, "fsdp_config": {k: v for k, v in config.to_dict().items()
+                "target": target, "backend": setup.backend, "fsdp_config": {k: v for k, v in config.to_dict().items()
                                                   if k in ("reshard_after_forward", "cpu_offload",
                                                            "activation_checkpointing", "auto_wrap_policy",
                                                            "transformer_layer_cls_to_wrap", "output_unit")}}
