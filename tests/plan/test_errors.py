@@ -63,3 +63,10 @@ def test_cli_json_and_exit_codes(config_json, capsys):
     assert err.startswith("error: --device-memory = 'lots'")
     assert main(["plan", str(config_json), "--world-size", "4", "--cp", "3"]) == 2
     assert "cp_size x tp_size = 3 x 1" in capsys.readouterr().err
+
+
+def test_not_modelled_yet_is_refused(config_json):
+    with pytest.raises(PlanError, match="lora_rank = 8: the planner does not model LoRA"):
+        plan(config_json, lora_rank=8)
+    with pytest.raises(PlanError, match="tp = 2: the planner does not model tensor parallelism"):
+        plan(config_json, world_size=2, tp=2)

@@ -39,7 +39,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--dp-shard", type=int, help="ranks that shard the model (default: the rest)")
     plan.add_argument("--dp-replicate", type=int, help="replicas of the shard groups (HSDP)")
     plan.add_argument("--cp", type=int, default=1, help="context-parallel size (splits each sequence)")
-    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (not modelled yet: 1)")
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (checked only)")
     plan.add_argument("--batch", type=int, default=1, help="per-device batch (samples)")
     plan.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens")
@@ -48,7 +48,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     _bool_flag(plan, "cpu-offload", "override fsdp_config cpu_offload")
     _bool_flag(plan, "reshard-after-forward", "override fsdp_config reshard_after_forward")
     plan.add_argument("--optimizer", default="adamw_torch_fused", help="adamw_torch_fused (default) or adamw_torch")
-    plan.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on every linear layer")
+    plan.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (not modelled yet: 0)")
     plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: does it fit, and what would")
     plan.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
                       help="training device kind (cpu: offloaded state counts too)")

@@ -110,6 +110,12 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     per_device_batch, seq_len = _positive("per_device_batch", per_device_batch), _positive("seq_len", seq_len)
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise PlanError(f"lora_rank = {lora_rank!r} must be an int >= 0 (0: no LoRA)")
+    if lora_rank:
+        raise PlanError(f"lora_rank = {lora_rank}: the planner does not model LoRA yet (peft cannot build its adapters "
+                        "on fake tensors); plan the full model, or measure with benchmarks/lora_memory.py")
+    if tp != 1:
+        raise PlanError(f"tp = {tp}: the planner does not model tensor parallelism yet (its sharding plan needs real "
+                        "tensors); plan with tp = 1")
     config = _fsdp_config(fsdp_config, {"activation_checkpointing": activation_checkpointing,
                                         "cpu_offload": cpu_offload, "reshard_after_forward": reshard_after_forward})
     if world_size is None:

@@ -131,7 +131,8 @@ def _batch(setup: StepSetup, vocab: int, cp: Any) -> dict[str, Any]:
 
 
 def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module, Any]:
-    """LoRA -> context parallel -> tensor parallel -> FSDP, in the Trainer's order (train/model_setup.py)."""
+    """LoRA -> context parallel -> tensor parallel -> FSDP, in the Trainer's order (train/model_setup.py).
+    (`plan` refuses LoRA and tp > 1 for now: peft and the tp plan cannot be built on fake tensors.)"""
     from shardtrain.parallel.fsdp import apply_fsdp
 
     if setup.lora_rank:
