@@ -108,3 +108,12 @@ def test_context_parallel_halves_activations():
     base = quick(world_size=2, seq_len=32)
     cp = quick(world_size=4, cp=2, seq_len=32)
     assert cp.trace.logits * 2 == base.trace.logits  # each cp rank holds half of every sequence
+
+
+@pytest.mark.parametrize(("bf16", "logit_bytes"), [(False, 4), (True, 2)])
+def test_logits_and_loss_buffers(bf16, logit_bytes):
+    result = quick(world_size=2, bf16=bf16)
+    tokens, vocab = 2 * 16, tiny_config().vocab_size
+    assert result.trace.logits == tokens * vocab * logit_bytes  # bf16 compute: bf16 logits
+    # the loss upcasts: fp32 log-probs kept for backward (+ the scalar loss and its token count)
+    assert tokens * vocab * 4 <= result.trace.loss_buffers <= tokens * vocab * 4 + 16

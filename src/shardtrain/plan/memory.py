@@ -83,7 +83,8 @@ def memory_rows(trace: StepTrace, ac_trace: StepTrace | None, no_ac_trace: StepT
             rows.append(MemoryRow(f"activations per layer ({label})", typical,
                                   f"kept for backward by each of {sizes.count(typical)} layers"))
     rows += [
-        MemoryRow("logits", trace.logits, "model output, kept for the loss"),
+        MemoryRow("logits", trace.logits, "model output, until the loss"),
+        MemoryRow("loss buffers", trace.loss_buffers, "kept by the loss for backward (fp32 log-probs)"),
         MemoryRow("at the peak: sharded state", _sum(snap, STATE_PARAM + STATE_GRAD + STATE_OPT),
                   "parameters + gradients + optimizer state"),
         MemoryRow("at the peak: gathered params", _sum(snap, GATHERED), "unsharded parameters + all-gather buffers"),

@@ -14,6 +14,7 @@ and keeps the peak. Step 1 also runs under `FlopCounterMode` and a collective co
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -184,7 +185,8 @@ class _Probe:
     def __init__(self, model: nn.Module, tracker: Any) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self.tracker, self.layers, self.logits, self.after_forward = tracker, [], 0, 0
+        self.tracker, self.layers, self.logits, self.after_forward, self.loss_buffers = tracker, [], 0, 0, 0
+        self._logits_ref: weakref.ref | None = None
         self.handles, self.active = [], True
         names = {id(m): n for n, m in model.named_modules()}
         for module in model.modules():
@@ -211,7 +213,15 @@ class _Probe:
         if self.active:
             logits = getattr(output, "logits", output if isinstance(output, torch.Tensor) else None)
             self.logits = _local_bytes(logits) if isinstance(logits, torch.Tensor) else 0
+            self._logits_ref = weakref.ref(logits) if isinstance(logits, torch.Tensor) else None
             self.after_forward = self._act()
+
+    def at_loss(self) -> None:
+        """After the loss, before backward: what the loss keeps for backward (its fp32 log-probabilities). The
+        net change of live activations, plus the logits when the loss let them go (it keeps its own copy)."""
+        freed = self.logits if self._logits_ref is not None and self._logits_ref() is None else 0
+        self.loss_buffers = max(self._act() - self.after_forward + freed, 0)
+        self.active = False  # activation checkpointing re-runs forwards in backward: not new activations
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -263,11 +273,10 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((batch,))
             probe = _Probe(model, tracker)
-            loss_at: dict[str, int] = {}
             with tracker, _GlooCopies() if setup.backend == "gloo" else contextlib.nullcontext():
-                step(lambda: loss_at.update(act=probe._act()) or setattr(probe, "active", False))
+                step(probe.at_loss)
             probe.remove()
-            return _result(model, optimizer, setup, tracker, probe, loss_at, flops, counter)
+            return _result(model, optimizer, setup, tracker, probe, flops, counter)
     finally:
         dist.destroy_process_group()
 
@@ -285,7 +294,7 @@ def _device_peak_offloaded(tracker: Any) -> int:
 
 
 def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup, tracker: Any, probe: _Probe,
-            loss_at: dict[str, int], flops: FlopCounterMode, counter: _CollectiveCounter) -> StepTrace:
+            flops: FlopCounterMode, counter: _CollectiveCounter) -> StepTrace:
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     breakdown = {str(getattr(k, "value", k)): v for k, v in peak_snap.items()}
     params = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(b) for b in model.buffers())
@@ -299,5 +308,5 @@ def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup
         peak_offloaded_device=_device_peak_offloaded(tracker),
         state={"parameters": params, "gradients": grads, "optimizer_state": opt},
         units=_units(model, dtype), layer_activations=probe.layers, logits=probe.logits,
-        loss_buffers=max(loss_at.get("act", 0) - probe.after_forward, 0), flops=int(flops.get_total_flops()),
+        loss_buffers=probe.loss_buffers, flops=int(flops.get_total_flops()),
         collective_bytes=dict(counter.bytes), fsdp_shard_size=fsdp_mesh)
