@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 STEPS = 3
 LAYERS = ["LlamaDecoderLayer"]
 
-# name, size (bench_common.SIZES), ranks, fsdp_config keys, bf16, cp
+# name, size (bench_common.SIZES), ranks, fsdp_config keys, bf16, cp, accum (gradient accumulation steps)
 CONFIGS: list[dict] = [
     {"name": "50m N1", "size": "50m", "nproc": 1, "fsdp": {}},
     {"name": "50m N2", "size": "50m", "nproc": 2, "fsdp": {}},
@@ -40,6 +40,7 @@ CONFIGS: list[dict] = [
     {"name": "50m N2 AC", "size": "50m", "nproc": 2, "fsdp": {"activation_checkpointing": True}},
     {"name": "50m N2 bf16", "size": "50m", "nproc": 2, "fsdp": {}, "bf16": True},
     {"name": "50m N2 offload", "size": "50m", "nproc": 2, "fsdp": {"cpu_offload": True}},
+    {"name": "50m N2 GA2", "size": "50m", "nproc": 2, "fsdp": {}, "accum": 2},
     {"name": "50m N4 AC bf16", "size": "50m", "nproc": 4, "fsdp": {"activation_checkpointing": True}, "bf16": True},
     {"name": "tiny N1", "size": "tiny", "nproc": 1, "fsdp": {}},
     {"name": "tiny N2", "size": "tiny", "nproc": 2, "fsdp": {}},
@@ -47,6 +48,7 @@ CONFIGS: list[dict] = [
     {"name": "tiny N2 AC", "size": "tiny", "nproc": 2, "fsdp": {"activation_checkpointing": True}},
     {"name": "tiny N2 bf16", "size": "tiny", "nproc": 2, "fsdp": {}, "bf16": True},
     {"name": "tiny N2 offload", "size": "tiny", "nproc": 2, "fsdp": {"cpu_offload": True}},
+    {"name": "tiny N2 GA2", "size": "tiny", "nproc": 2, "fsdp": {}, "accum": 2},
     {"name": "tiny N4", "size": "tiny", "nproc": 4, "fsdp": {}},
     {"name": "tiny N4 cp2", "size": "tiny", "nproc": 4, "fsdp": {}, "cp": 2},
 ]
@@ -116,7 +118,8 @@ def worker(jobs_path: str, out_path: str) -> None:
                                                                                **job["fsdp"]},
                                      max_steps=STEPS, per_device_train_batch_size=spec.per_device_batch,
                                      save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10**9,
-                                     bf16=job.get("bf16", False), cp_size=job.get("cp", 1), seed=0)
+                                     bf16=job.get("bf16", False), cp_size=job.get("cp", 1), seed=0,
+                                     gradient_accumulation_steps=job.get("accum", 1))
             trainer = Trainer(model=build_model(spec), args=args, train_dataset=samples, callbacks=[Marker()])
             trainer.train()
             del trainer
@@ -159,7 +162,8 @@ def predict(config: dict) -> dict:
                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     result = plan(model, fsdp_config={"transformer_layer_cls_to_wrap": LAYERS, **config["fsdp"]},
                   world_size=config["nproc"], cp=config.get("cp", 1), per_device_batch=spec.per_device_batch,
-                  seq_len=spec.seq_len, bf16=config.get("bf16", False), target="cpu", estimate_step_time=False,
+                  seq_len=spec.seq_len, gradient_accumulation_steps=config.get("accum", 1),
+                  bf16=config.get("bf16", False), target="cpu", estimate_step_time=False,
                   what_if=False)
     return {"peak": result.peak, "breakdown": {k: v for k, v in result.trace.peak_breakdown.items() if k != "Total"}}
 
@@ -180,6 +184,7 @@ def run(names: list[str]) -> dict:
         error = 100.0 * (pred["peak"] - got) / got
         rows.append({"name": config["name"], "size": config["size"], "ranks": config["nproc"],
                      "fsdp_config": config["fsdp"], "bf16": config.get("bf16", False), "cp": config.get("cp", 1),
+                     "gradient_accumulation_steps": config.get("accum", 1),
                      "predicted_peak_bytes": pred["peak"], "measured_peak_bytes": got,
                      "predicted_peak_mib": round(pred["peak"] / 2**20, 2), "measured_peak_mib": round(got / 2**20, 2),
                      "error_pct": round(error, 2), "within_tolerance": abs(error) <= 15.0,

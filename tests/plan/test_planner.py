@@ -63,6 +63,7 @@ def test_settings_move_the_right_rows():
     ac = quick(world_size=2, activation_checkpointing=True)
     bf16 = quick(world_size=2, bf16=True)
     no_reshard = quick(world_size=2, reshard_after_forward=False)
+    accumulate = quick(world_size=2, gradient_accumulation_steps=4)
 
     def layer_act(result):
         return max(size for name, size in result.trace.layer_activations if "layers" in name)
@@ -72,6 +73,10 @@ def test_settings_move_the_right_rows():
     units = dict(base.trace.units)
     assert dict(bf16.trace.units)["model.layers.0"] * 2 == units["model.layers.0"]  # gathered in bf16
     assert no_reshard.peak > base.peak  # gathered layers stay until backward
+    # between micro-batches FSDP keeps every unit's unsharded gradient (no reduce-scatter until the last)
+    full_grads = sum(size for _, size in base.trace.units)  # every unit's gradient, unsharded, fp32
+    assert accumulate.trace.peak_breakdown["Unsharded Grad"] == full_grads
+    assert accumulate.peak > base.peak
     assert {r.name: r.bytes for r in ac.rows}["optimizer state"] == {r.name: r.bytes for r in base.rows}[
         "optimizer state"]
 

@@ -43,6 +43,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (checked only)")
     plan.add_argument("--batch", type=int, default=1, help="per-device batch (samples)")
     plan.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens")
+    plan.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
     plan.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     _bool_flag(plan, "activation-checkpointing", "override fsdp_config activation_checkpointing")
     _bool_flag(plan, "cpu-offload", "override fsdp_config cpu_offload")
@@ -67,7 +68,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         result = plan(args.model, fsdp_config=args.fsdp_config, world_size=args.world_size,
                       dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep,
-                      per_device_batch=args.batch, seq_len=args.seq_len, bf16=args.bf16,
+                      per_device_batch=args.batch, seq_len=args.seq_len, gradient_accumulation_steps=args.grad_accum,
+                      bf16=args.bf16,
                       activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
                       reshard_after_forward=args.reshard_after_forward, optimizer=args.optimizer,
                       lora_rank=args.lora_rank, device_memory=args.device_memory, target=args.target,

@@ -75,7 +75,8 @@ def _fsdp_config(fsdp_config: dict | str | os.PathLike | FSDPConfig | None, over
 def plan(model: str | os.PathLike | nn.Module | Any, *,
          fsdp_config: dict | str | os.PathLike | FSDPConfig | None = None,
          world_size: int | None = None, dp_replicate: int | None = None, dp_shard: int | None = None, cp: int = 1,
-         tp: int = 1, ep: int = 1, per_device_batch: int = 1, seq_len: int = 2048, bf16: bool = False,
+         tp: int = 1, ep: int = 1, per_device_batch: int = 1, seq_len: int = 2048, gradient_accumulation_steps: int = 1,
+         bf16: bool = False,
          activation_checkpointing: bool | None = None, cpu_offload: bool | None = None,
          reshard_after_forward: bool | None = None, optimizer: str = "adamw_torch_fused", lora_rank: int = 0,
          device_memory: str | int | None = None, target: str = "cuda", tflops: float | None = None,
@@ -88,6 +89,7 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         world_size: ranks; default: the product of the sizes given (1 when none is).
         dp_replicate, dp_shard, cp, tp, ep: parallel sizes, resolved by `ParallelDims.resolve` like the Trainer.
         per_device_batch, seq_len: the batch one rank sees (full sequence length; cp splits it).
+        gradient_accumulation_steps: micro-batches per step (> 1: unsharded gradients stay between them).
         bf16: mixed precision (bf16 parameters in compute, fp32 gradient reduction), as `TrainingArguments.bf16`.
         activation_checkpointing, cpu_offload, reshard_after_forward: override those fsdp_config keys.
         optimizer: "adamw_torch_fused" (the Trainer's default) or "adamw_torch".
@@ -108,6 +110,7 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     if target not in TARGETS:
         raise PlanError(f"target = {target!r} must be one of {list(TARGETS)}")
     per_device_batch, seq_len = _positive("per_device_batch", per_device_batch), _positive("seq_len", seq_len)
+    accumulation = _positive("gradient_accumulation_steps", gradient_accumulation_steps)
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise PlanError(f"lora_rank = {lora_rank!r} must be an int >= 0 (0: no LoRA)")
     if lora_rank:
@@ -128,19 +131,19 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     precision = "bf16" if bf16 else (config.mixed_precision or "no")
     setup = StepSetup(dims=dims, fsdp_config=config, per_device_batch=per_device_batch, seq_len=seq_len,
                       mixed_precision=precision, optimizer=optimizer, lora_rank=lora_rank,
-                      backend="gloo" if target == "cpu" else "nccl")
+                      backend="gloo" if target == "cpu" else "nccl", gradient_accumulation_steps=accumulation)
     trace = trace_step(build, setup)
     other = None
     if what_if and trace.units:
         flipped = dataclasses.replace(config, activation_checkpointing=not config.activation_checkpointing)
         other = trace_step(build, dataclasses.replace(setup, fsdp_config=flipped))
     ac_trace, no_ac_trace = (trace, other) if config.activation_checkpointing else (other, trace)
+    kept = ("reshard_after_forward", "cpu_offload", "activation_checkpointing", "auto_wrap_policy",
+            "transformer_layer_cls_to_wrap", "output_unit")
     settings = {"world_size": dims.world_size, "parallel": dims.describe(), "per_device_batch": per_device_batch,
-                "seq_len": seq_len, "mixed_precision": precision, "optimizer": optimizer, "lora_rank": lora_rank,
-                "target": target, "backend": setup.backend, "fsdp_config": {k: v for k, v in config.to_dict().items()
-                                                  if k in ("reshard_after_forward", "cpu_offload",
-                                                           "activation_checkpointing", "auto_wrap_policy",
-                                                           "transformer_layer_cls_to_wrap", "output_unit")}}
+                "seq_len": seq_len, "gradient_accumulation_steps": accumulation, "mixed_precision": precision,
+                "optimizer": optimizer, "lora_rank": lora_rank, "target": target, "backend": setup.backend,
+                "fsdp_config": {k: v for k, v in config.to_dict().items() if k in kept}}
     peak = device_peak(trace, config.cpu_offload, target)
     result = Plan(model=name, settings=settings, trace=trace, rows=memory_rows(trace, ac_trace, no_ac_trace),
                   peak=peak, what_if_ac=other)

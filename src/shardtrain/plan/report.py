@@ -62,9 +62,11 @@ def plan_table(result: Plan) -> str:
     """The report as text: settings, the per-rank memory table, fit advice and step time."""
     s = result.settings
     fsdp = s["fsdp_config"]
+    accum = s["gradient_accumulation_steps"]
     lines = [
         f"shardtrain plan: {result.model}",
-        f"  {s['parallel']}; per-device batch {s['per_device_batch']} x seq {s['seq_len']}; mixed precision "
+        f"  {s['parallel']}; per-device batch {s['per_device_batch']} x seq {s['seq_len']}"
+        f"{f' x {accum} micro-batches' if accum > 1 else ''}; mixed precision "
         f"{s['mixed_precision']}; {s['optimizer']}; LoRA rank {s['lora_rank'] or '-'}",
         f"  reshard_after_forward {fsdp['reshard_after_forward']}, activation_checkpointing "
         f"{fsdp['activation_checkpointing']}, cpu_offload {fsdp['cpu_offload']}; target {s['target']}",

@@ -53,6 +53,7 @@ class StepSetup:
     lora_rank: int = 0
     max_grad_norm: float = 1.0
     backend: str = "nccl"
+    gradient_accumulation_steps: int = 1
 
 
 @dataclass
@@ -254,14 +255,23 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             loss = LossComputer(model, torch.device("cpu"))
             vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
             batch = _batch(setup, vocab, cp)
-            divisor = setup.per_device_batch * setup.dims.batch_size
+            divisor = setup.per_device_batch * setup.dims.batch_size * setup.gradient_accumulation_steps
+            # Gradient accumulation as the Trainer does it: no reduce-scatter before the last micro-batch, so the
+            # unsharded gradients stay; memory repeats after the second micro-batch, which is all we trace.
+            micro = min(setup.gradient_accumulation_steps, 2)
 
-            def step(after_loss: Callable[[], None] | None = None) -> None:
-                loss_sum = loss(batch)
-                if after_loss is not None:
-                    after_loss()
-                (loss_sum / divisor).backward()
-                normalize_and_clip_grads(model.parameters(), loss.local_counts([batch]),
+            def step(after_loss: Callable[[], None] | None = None,
+                     between: Callable[[], None] | None = None) -> None:
+                for index in range(micro):
+                    if micro > 1:
+                        model.set_requires_gradient_sync(index == micro - 1)
+                    if index and between is not None:
+                        between()
+                    loss_sum = loss(batch)
+                    if after_loss is not None and index == 0:
+                        after_loss()
+                    (loss_sum / divisor).backward()
+                normalize_and_clip_grads(model.parameters(), loss.local_counts([batch] * micro),
                                          divisor * setup.dims.grad_average_size, setup.max_grad_norm,
                                          setup.dims.world_size, count_copies=setup.dims.tp)
                 optimizer.step()
@@ -274,7 +284,9 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             tracker.track_inputs((batch,))
             probe = _Probe(model, tracker)
             with tracker, _GlooCopies() if setup.backend == "gloo" else contextlib.nullcontext():
-                step(probe.at_loss)
+                # FSDPMemTracker keeps one forward per module per iteration: start its module stats afresh for
+                # the second micro-batch (the overall peak it keeps is not reset)
+                step(probe.at_loss, tracker.reset_mod_stats)
             probe.remove()
             return _result(model, optimizer, setup, tracker, probe, flops, counter)
     finally:
