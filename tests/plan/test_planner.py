@@ -122,3 +122,22 @@ def test_logits_and_loss_buffers(bf16, logit_bytes):
     assert result.trace.logits == tokens * vocab * logit_bytes  # bf16 compute: bf16 logits
     # the loss upcasts: fp32 log-probs kept for backward (+ the scalar loss and its token count)
     assert tokens * vocab * 4 <= result.trace.loss_buffers <= tokens * vocab * 4 + 16
+
+
+def test_step_flops_and_collectives():
+    config = tiny_config()
+    batch, seq, heads, head_dim = 2, 16, config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    linear = sum(m.weight.numel() for m in LlamaForCausalLM(config).modules() if isinstance(m, torch.nn.Linear))
+    bmm = 2 * batch * heads * seq * seq * head_dim  # one q.k^T or scores.v product
+    # forward + backward of every linear layer: 6 FLOPs per weight per token; attention: 2 products forward,
+    # 5 backward (PyTorch's SDPA formulas), per layer
+    expected = 6 * linear * batch * seq + 7 * bmm * config.num_hidden_layers
+    results = {g: quick(world_size=2, gradient_accumulation_steps=g) for g in (1, 4)}
+    assert results[1].trace.flops == expected
+    assert results[4].trace.flops == 4 * expected
+    one, four = results[1].trace.collective_bytes, results[4].trace.collective_bytes
+    assert four["allgather_base"] == 4 * one["allgather_base"]  # forward and backward of every micro-batch
+    assert four["reduce_scatter_base"] == one["reduce_scatter_base"]  # once per step
+    units = sum(size for _, size in results[1].trace.units)
+    assert one["reduce_scatter_base"] == units  # every gradient, fp32, once

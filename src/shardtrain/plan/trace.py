@@ -1,11 +1,12 @@
 """One Trainer step, traced on rank 0 of a fake process group with fake tensors: what each rank holds, when.
 
-The model is built, adapted (LoRA), context/tensor-parallelised and sharded by shardtrain's own code
-(`apply_fsdp`, `build_optimizer`, `LossComputer`, `normalize_and_clip_grads`), exactly as `Trainer` does, but
-every tensor is a `FakeTensor` and every collective goes to PyTorch's fake process group. Step 1 runs untraced
-(it creates AdamW's state); step 2 runs under PyTorch's `FSDPMemTracker`, which labels every live storage
+The model is built, context-parallelised and sharded by shardtrain's own code (`apply_fsdp`, `build_optimizer`,
+`LossComputer`, `normalize_and_clip_grads`), as `Trainer` does, but every tensor is a `FakeTensor` and every
+collective goes to PyTorch's fake process group. Step 1 runs untraced (it creates AdamW's state); step 2 runs
+under PyTorch's `FSDPMemTracker` (one wrapper fixed, see `_tracker`), which labels every live storage
 (sharded/unsharded parameters, gradients, optimizer state, activations, all-gather and reduce-scatter buffers)
-and keeps the peak. Step 1 also runs under `FlopCounterMode` and a collective counter (for the step time).
+and keeps the peak; for gloo, its reduce-scatter's input clone is added (`_GlooCopies`). Step 1 also runs under
+`FlopCounterMode` and a collective counter (for the step time). (LoRA and tp > 1 are refused by `plan` for now.)
 
     from shardtrain.plan.trace import trace_step
     trace = trace_step(builder, setup)      # a StepTrace; see shardtrain.plan.plan for the public entry
@@ -75,7 +76,7 @@ class StepTrace:
 
 
 class _CollectiveCounter(TorchDispatchMode):
-    """Bytes each c10d collective moves into its output on this rank (fake process group: nothing is sent)."""
+    """Bytes of each c10d collective's larger buffer on this rank (all-gather output, reduce-scatter input)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,6 +142,24 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
             return inner
 
     return Tracker(model, optimizer)
+
+
+def _flop_counter() -> FlopCounterMode:
+    """PyTorch's FLOP counter, plus the CPU flash-attention kernels it has no formula for (SDPA on CPU, which the
+    trace runs, would otherwise count no attention FLOPs); the formulas are PyTorch's own SDPA ones."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+        return flop_counter.sdpa_backward_flop_count(grad, query, key, value)
+
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -311,7 +330,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
                 optimizer.zero_grad(set_to_none=True)
 
             counter = _CollectiveCounter()
-            with FlopCounterMode(display=False) as flops, counter:
+            with _flop_counter() as flops, counter:
                 step()
             tracker = _tracker(model, optimizer)
             tracker.track_inputs((batch,))
@@ -348,10 +367,14 @@ def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup
               if isinstance(v, torch.Tensor))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.mixed_precision)
     fsdp_mesh = setup.dims.dp_shard * setup.dims.cp
+    # step 1 ran min(accumulation, 2) micro-batches; a step runs all of them: their FLOPs and all-gathers repeat
+    # (the reduce-scatter runs once, after the last; AdamW's FLOPs are negligible)
+    scale = setup.gradient_accumulation_steps / min(setup.gradient_accumulation_steps, 2)
+    collectives = {k: int(v * scale) if "allgather" in k else v for k, v in counter.bytes.items()}
     return StepTrace(
         peak=breakdown.get("Total", 0), peak_breakdown=breakdown,
         peak_offloaded_device=_device_peak_offloaded(tracker),
         state={"parameters": params, "gradients": grads, "optimizer_state": opt},
         units=_units(model, dtype), layer_activations=probe.layers, logits=probe.logits,
-        loss_buffers=probe.loss_buffers, flops=int(flops.get_total_flops()),
-        collective_bytes=dict(counter.bytes), fsdp_shard_size=fsdp_mesh)
+        loss_buffers=probe.loss_buffers, flops=int(flops.get_total_flops() * scale),
+        collective_bytes=collectives, fsdp_shard_size=fsdp_mesh)
