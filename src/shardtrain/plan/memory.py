@@ -125,7 +125,8 @@ def fit_advice(trace: StepTrace, ac_trace: StepTrace | None, device_memory: int,
     act = _sum(snap, ACTIVATION)
     for divisor in (2, 4):
         est = peak - act + act // divisor
-        options.append({"change": f"per-device batch / {divisor} (estimate: activations scale with the batch)",
+        options.append({"change": f"tokens per device / {divisor} (batch, sequence or cp x {divisor}; estimate: "
+                                  "activations scale with tokens)",
                         "peak": est, "fits": est <= device_memory})
     return {"device_memory": device_memory, "peak": peak, "fits": peak <= device_memory,
             "headroom": device_memory - peak, "smallest_world_size": smallest,

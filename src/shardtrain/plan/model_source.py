@@ -54,12 +54,14 @@ def _from_config(config: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         if getattr(config, "use_cache", None):
             config.use_cache = False  # training: the Trainer never fills a KV cache
+        # fp32 whatever the config's dtype says: the Trainer loads a model path in fp32 (parallel/loading.py);
+        # bf16 is mixed precision on top
         try:
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         except ValueError:  # not a causal LM (e.g. an encoder): its base class, as in the config
             from transformers import AutoModel
 
-            return AutoModel.from_config(config)
+            return AutoModel.from_config(config, dtype=torch.float32)
     return build
 
 
