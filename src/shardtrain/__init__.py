@@ -1,6 +1,7 @@
 """shardtrain: FSDP2 training inside a Trainer.
 
     from shardtrain import Trainer, TrainingArguments, FSDPConfig, apply_fsdp
+    shardtrain.plan("config.json", world_size=8, device_memory="80GiB")   # will it fit? (shardtrain plan)
 
 Names are imported on first use, so `shardtrain config` and other light commands do not pay for
 importing torch and transformers.
@@ -26,6 +27,7 @@ _EXPORTS = {
     "destroy_distributed": "shardtrain.parallel.distributed",
     "init_distributed": "shardtrain.parallel.distributed",
     "load_pretrained": "shardtrain.parallel.loading",
+    "plan": "shardtrain.plan",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -33,7 +35,9 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        value = getattr(import_module(_EXPORTS[name]), name)
+        module = import_module(_EXPORTS[name])
+        # `plan` is a callable subpackage: the module itself, so `shardtrain.plan.plan` works too
+        value = module if _EXPORTS[name] == f"shardtrain.{name}" else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")

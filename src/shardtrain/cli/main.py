@@ -1,4 +1,4 @@
-"""`shardtrain` entry point: argparse subcommands config / launch / merge / report / env.
+"""`shardtrain` entry point: argparse subcommands config / launch / merge / report / env / plan.
 
     shardtrain config                                  # write $SHARDTRAIN_HOME/default_config.yaml
     shardtrain launch [flags] train.py [script args]   # run on N processes / M machines
@@ -6,6 +6,7 @@
     shardtrain merge CKPT OUT --merge-lora --base DIR  # LoRA checkpoint + its base -> merged model
     shardtrain report OUTPUT_DIR                       # report.png from OUTPUT_DIR/metrics.jsonl
     shardtrain env                                     # versions, backends, devices, config
+    shardtrain plan config.json --world-size 8 --device-memory 80GiB   # will it fit? memory + step time
     python -m shardtrain.cli.main ...                  # same, without the console script
 
 Exit codes: 0 ok, 1 the launched script failed, 2 a usage/config error (message `error: ...` on stderr).
@@ -19,6 +20,7 @@ import sys
 from shardtrain.cli.config_cmd import add_config_parser
 from shardtrain.cli.env_cmd import add_env_parser
 from shardtrain.cli.launch import add_launch_parser, normalize_fsdp_flag
+from shardtrain.cli.plan_cmd import add_plan_parser
 from shardtrain.config.fsdp_config import FSDPConfigError
 from shardtrain.config.launch_config import LaunchConfigError
 
@@ -49,9 +51,9 @@ def run_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `shardtrain` parser with its subcommands."""
     parser = argparse.ArgumentParser(
-        prog="shardtrain", description="FSDP2 training: config, launch, merge, env.", allow_abbrev=False
+        prog="shardtrain", description="FSDP2 training: config, launch, merge, env, plan.", allow_abbrev=False
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,report,env}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,report,env,plan}")
     add_config_parser(subparsers)
     add_launch_parser(subparsers)
     merge = subparsers.add_parser(
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="PNG path (default: OUTPUT_DIR/report.png)")
     report.set_defaults(func=run_report)
     add_env_parser(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,81 @@
+"""`shardtrain plan`: will it fit? Per-rank memory and step time of a Trainer run, predicted from a traced step.
+
+shardtrain plan config.json --world-size 8 --batch 4 --seq-len 2048 --bf16 --device-memory 80GiB
+shardtrain plan MODEL_DIR --fsdp-config fsdp.json --dp-shard 4 --dp-replicate 2 --activation-checkpointing --json
+python -m shardtrain.cli.main plan ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardtrain.errors import UserError
+
+
+def _on_off(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def _bool_flag(parser: argparse.ArgumentParser, name: str, help_: str) -> None:
+    """`--name` (true), `--name false`, or unset (the fsdp_config's value)."""
+    parser.add_argument(f"--{name}", nargs="?", const=True, default=None, type=_on_off, metavar="BOOL", help=help_)
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `shardtrain plan` on the top-level subparsers."""
+    plan = subparsers.add_parser(
+        "plan", allow_abbrev=False,
+        help="predict per-rank memory (and whether it fits) and step time of a training run; nothing is downloaded")
+    plan.add_argument("model", help="a transformers config.json, or a model directory that holds one")
+    plan.add_argument("--fsdp-config", help="fsdp_config JSON file (the Trainer's keys)")
+    plan.add_argument("--world-size", type=int, help="ranks (default: the product of the sizes given, else 1)")
+    plan.add_argument("--dp-shard", type=int, help="ranks that shard the model (default: the rest)")
+    plan.add_argument("--dp-replicate", type=int, help="replicas of the shard groups (HSDP)")
+    plan.add_argument("--cp", type=int, default=1, help="context-parallel size (splits each sequence)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (not modelled yet: 1)")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (checked only)")
+    plan.add_argument("--batch", type=int, default=1, help="per-device batch (samples)")
+    plan.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens")
+    plan.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
+    plan.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
+    _bool_flag(plan, "activation-checkpointing", "override fsdp_config activation_checkpointing")
+    _bool_flag(plan, "cpu-offload", "override fsdp_config cpu_offload")
+    _bool_flag(plan, "reshard-after-forward", "override fsdp_config reshard_after_forward")
+    plan.add_argument("--optimizer", default="adamw_torch_fused", help="adamw_torch_fused (default) or adamw_torch")
+    plan.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (not modelled yet: 0)")
+    plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: does it fit, and what would")
+    plan.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
+                      help="training device kind (cpu: offloaded state counts too)")
+    plan.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s (default: measured here)")
+    plan.add_argument("--link-gbps", type=float, help="link rate per rank in GB/s (default: a local stand-in)")
+    plan.add_argument("--no-step-time", action="store_true", help="skip the step-time estimate")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    plan.set_defaults(func=run_plan)
+    return plan
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Entry of `shardtrain plan`: `shardtrain.plan.plan` (imported lazily: it imports torch and transformers)."""
+    from shardtrain.plan import plan
+
+    try:
+        result = plan(args.model, fsdp_config=args.fsdp_config, world_size=args.world_size,
+                      dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep,
+                      per_device_batch=args.batch, seq_len=args.seq_len, gradient_accumulation_steps=args.grad_accum,
+                      bf16=args.bf16,
+                      activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
+                      reshard_after_forward=args.reshard_after_forward, optimizer=args.optimizer,
+                      lora_rank=args.lora_rank, device_memory=args.device_memory, target=args.target,
+                      tflops=args.tflops, link_gbps=args.link_gbps, estimate_step_time=not args.no_step_time)
+    except UserError as err:  # FSDPConfigError, ParallelDimsError, PlanError: the message names the fix
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
+    return 0

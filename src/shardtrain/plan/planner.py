@@ -1,0 +1,159 @@
+"""`shardtrain.plan(...)`: per-rank memory and step time of a Trainer run, predicted from a traced step.
+
+    import shardtrain
+    result = shardtrain.plan("config.json", world_size=8, per_device_batch=4, seq_len=2048, bf16=True,
+                             fsdp_config={"activation_checkpointing": True}, device_memory="80GiB")
+    print(result.table())          # or result.to_dict() (what `shardtrain plan --json` prints)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.parallel.dims import ParallelDims
+from shardtrain.plan.memory import MemoryRow, device_peak, fit_advice, memory_rows, parse_bytes
+from shardtrain.plan.model_source import PlanError, model_builder
+from shardtrain.plan.trace import StepSetup, StepTrace, trace_step
+
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+TARGETS = ("cuda", "cpu")
+
+
+@dataclass
+class Plan:
+    """The result of `plan`: the inputs as resolved, the traced steps, the memory rows, fit and step time."""
+
+    model: str
+    settings: dict[str, Any]
+    trace: StepTrace
+    rows: list[MemoryRow]
+    peak: int
+    fit: dict | None = None
+    step: dict | None = None
+    what_if_ac: StepTrace | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as plain JSON types (bytes as ints)."""
+        from shardtrain.plan.report import plan_dict
+
+        return plan_dict(self)
+
+    def table(self) -> str:
+        """The human-readable report."""
+        from shardtrain.plan.report import plan_table
+
+        return plan_table(self)
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name} = {value!r} must be an int >= 1")
+    return value
+
+
+def _fsdp_config(fsdp_config: dict | str | os.PathLike | FSDPConfig | None, overrides: dict[str, Any]) -> FSDPConfig:
+    """Parse like the Trainer (`FSDPConfig.load`), with the planner's flags applied on top."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(fsdp_config, FSDPConfig):
+        return dataclasses.replace(fsdp_config, **given)
+    if isinstance(fsdp_config, str | os.PathLike):
+        FSDPConfig.load(fsdp_config)  # the file's own errors first, with its path
+        fsdp_config = json.loads(Path(fsdp_config).read_text())
+    if fsdp_config is not None and not isinstance(fsdp_config, dict):
+        return FSDPConfig.load(fsdp_config)  # raises the Trainer's error for the wrong type
+    return FSDPConfig.load({**(fsdp_config or {}), **given})
+
+
+def plan(model: str | os.PathLike | nn.Module | Any, *,
+         fsdp_config: dict | str | os.PathLike | FSDPConfig | None = None,
+         world_size: int | None = None, dp_replicate: int | None = None, dp_shard: int | None = None, cp: int = 1,
+         tp: int = 1, ep: int = 1, per_device_batch: int = 1, seq_len: int = 2048, gradient_accumulation_steps: int = 1,
+         bf16: bool = False,
+         activation_checkpointing: bool | None = None, cpu_offload: bool | None = None,
+         reshard_after_forward: bool | None = None, optimizer: str = "adamw_torch_fused", lora_rank: int = 0,
+         device_memory: str | int | None = None, target: str = "cuda", tflops: float | None = None,
+         link_gbps: float | None = None, estimate_step_time: bool = True, what_if: bool = True) -> Plan:
+    """Predict what each rank holds during a Trainer step, and how long the step takes.
+
+    Args:
+        model: a transformers `config.json`, a model directory, a `PretrainedConfig` or an `nn.Module`.
+        fsdp_config: as `TrainingArguments.fsdp_config` (dict or JSON path); parsed by `FSDPConfig.load`.
+        world_size: ranks; default: the product of the sizes given (1 when none is).
+        dp_replicate, dp_shard, cp, tp, ep: parallel sizes, resolved by `ParallelDims.resolve` like the Trainer.
+        per_device_batch, seq_len: the batch one rank sees (full sequence length; cp splits it).
+        gradient_accumulation_steps: micro-batches per step (> 1: unsharded gradients stay between them).
+        bf16: mixed precision (bf16 parameters in compute, fp32 gradient reduction), as `TrainingArguments.bf16`.
+        activation_checkpointing, cpu_offload, reshard_after_forward: override those fsdp_config keys.
+        optimizer: "adamw_torch_fused" (the Trainer's default) or "adamw_torch".
+        lora_rank: > 0: LoRA adapters of that rank on every linear layer (the base frozen).
+        device_memory: e.g. "80GiB": say whether the peak fits, and what would make it fit.
+        target: "cuda" (NCCL; CPU offload keeps sharded state on the host) or "cpu" (gloo, whose reduce-scatter
+            clones its input; everything on one memory).
+        tflops, link_gbps: the step-time rates; a missing one is measured on this machine.
+        estimate_step_time: False: skip the rate calibration and the step time.
+        what_if: also trace the other activation-checkpointing setting (per-layer rows and advice).
+
+    Raises:
+        PlanError, FSDPConfigError, ParallelDimsError: an input that cannot be used (the message names it).
+    """
+    build, name = model_builder(model)
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer = {optimizer!r}: the planner models {list(OPTIMIZERS)}")
+    if target not in TARGETS:
+        raise PlanError(f"target = {target!r} must be one of {list(TARGETS)}")
+    per_device_batch, seq_len = _positive("per_device_batch", per_device_batch), _positive("seq_len", seq_len)
+    accumulation = _positive("gradient_accumulation_steps", gradient_accumulation_steps)
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise PlanError(f"lora_rank = {lora_rank!r} must be an int >= 0 (0: no LoRA)")
+    if lora_rank:
+        raise PlanError(f"lora_rank = {lora_rank}: the planner does not model LoRA yet (peft cannot build its adapters "
+                        "on fake tensors); plan the full model, or measure with benchmarks/lora_memory.py")
+    if tp != 1:
+        raise PlanError(f"tp = {tp}: the planner does not model tensor parallelism yet (its sharding plan needs real "
+                        "tensors); plan with tp = 1")
+    config = _fsdp_config(fsdp_config, {"activation_checkpointing": activation_checkpointing,
+                                        "cpu_offload": cpu_offload, "reshard_after_forward": reshard_after_forward})
+    if world_size is None:
+        world_size = (dp_replicate or 1) * (dp_shard or 1) * cp * tp
+    dims = ParallelDims.resolve(world_size=_positive("world_size", world_size), dp_replicate=dp_replicate,
+                                dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, fsdp_config=config)
+    if seq_len % (2 * dims.cp) and dims.cp > 1:
+        raise PlanError(f"seq_len = {seq_len} with cp = {dims.cp}: context parallelism splits each sequence into "
+                        f"2 x cp chunks; use a multiple of {2 * dims.cp}")
+    precision = "bf16" if bf16 else (config.mixed_precision or "no")
+    setup = StepSetup(dims=dims, fsdp_config=config, per_device_batch=per_device_batch, seq_len=seq_len,
+                      mixed_precision=precision, optimizer=optimizer, lora_rank=lora_rank,
+                      backend="gloo" if target == "cpu" else "nccl", gradient_accumulation_steps=accumulation)
+    trace = trace_step(build, setup)
+    other = None
+    if what_if and trace.units:
+        flipped = dataclasses.replace(config, activation_checkpointing=not config.activation_checkpointing)
+        other = trace_step(build, dataclasses.replace(setup, fsdp_config=flipped))
+    ac_trace, no_ac_trace = (trace, other) if config.activation_checkpointing else (other, trace)
+    kept = ("reshard_after_forward", "cpu_offload", "activation_checkpointing", "auto_wrap_policy",
+            "transformer_layer_cls_to_wrap", "output_unit")
+    settings = {"world_size": dims.world_size, "parallel": dims.describe(), "per_device_batch": per_device_batch,
+                "seq_len": seq_len, "gradient_accumulation_steps": accumulation, "mixed_precision": precision,
+                "optimizer": optimizer, "lora_rank": lora_rank, "target": target, "backend": setup.backend,
+                "fsdp_config": {k: v for k, v in config.to_dict().items() if k in kept}}
+    peak = device_peak(trace, config.cpu_offload, target)
+    result = Plan(model=name, settings=settings, trace=trace, rows=memory_rows(trace, ac_trace, no_ac_trace),
+                  peak=peak, what_if_ac=other)
+    if device_memory is not None:
+        fixed = dims.dp_replicate * dims.cp * dims.tp
+        result.fit = fit_advice(trace, ac_trace, parse_bytes(device_memory), cpu_offload=config.cpu_offload,
+                                activation_checkpointing=config.activation_checkpointing, target=target,
+                                world_size=dims.world_size, fixed=fixed)
+    if estimate_step_time:
+        from shardtrain.plan.step_time import Rates, step_time
+
+        result.step = step_time(trace, Rates.resolve(tflops, link_gbps))
+    return result

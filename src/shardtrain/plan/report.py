@@ -1,0 +1,84 @@
+"""A `Plan` as a human table (the default of `shardtrain plan`) or as plain JSON types (`--json`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shardtrain.plan.memory import human
+
+if TYPE_CHECKING:
+    from shardtrain.plan.planner import Plan
+
+
+def plan_dict(result: Plan) -> dict[str, Any]:
+    """The plan as JSON types: bytes as ints, seconds as floats."""
+    trace = result.trace
+    out: dict[str, Any] = {
+        "model": result.model, "settings": result.settings, "rank": 0,
+        "memory": [{"name": r.name, "bytes": r.bytes, "note": r.note} for r in result.rows],
+        "predicted_peak_bytes": result.peak,
+        "peak_breakdown_bytes": {k: v for k, v in trace.peak_breakdown.items() if k != "Total"},
+        "units": [{"name": n, "gathered_bytes": b} for n, b in trace.units],
+        "layer_activations_bytes": [{"name": n, "bytes": b} for n, b in trace.layer_activations],
+    }
+    if result.what_if_ac is not None:
+        out["what_if_activation_checkpointing_flipped_peak_bytes"] = result.what_if_ac.peak
+        out["layer_activations_flipped_bytes"] = [{"name": n, "bytes": b}
+                                                  for n, b in result.what_if_ac.layer_activations]
+    if result.fit is not None:
+        out["fit"] = result.fit
+    if result.step is not None:
+        out["step_time"] = result.step
+    return out
+
+
+def _fit_lines(fit: dict) -> list[str]:
+    verdict = "fits" if fit["fits"] else "does NOT fit"
+    lines = [f"Device memory {human(fit['device_memory'])}: {verdict} (peak {human(fit['peak'])}, headroom "
+             f"{human(fit['headroom'])})"]
+    if fit["smallest_world_size"] is not None:
+        lines.append(f"  smallest world size that fits (same other sizes): {fit['smallest_world_size']} "
+                     f"({fit['smallest_world_size_note']})")
+    else:
+        lines.append("  no world size up to 16384 x the fixed sizes fits: the unsharded part alone is too big")
+    for option in fit["options"]:
+        lines.append(f"  {option['change']}: peak {human(option['peak'])} -> "
+                     f"{'fits' if option['fits'] else 'does not fit'}")
+    return lines
+
+
+def _step_lines(step: dict) -> list[str]:
+    return [
+        f"Step time per rank: compute {step['compute_s'] * 1e3:.1f} ms ({step['flops'] / 1e12:.3g} TFLOP at "
+        f"{step['flops_rate'] / 1e12:.3g} TFLOP/s, {step['flops_rate_source']})",
+        f"  communication {step['comm_s'] * 1e3:.1f} ms ({human(step['wire_bytes'])} sent at "
+        f"{step['link_rate'] / 1e9:.3g} GB/s, {step['link_rate_source']})",
+        f"  step {step['step_s_full_overlap'] * 1e3:.1f} ms (full overlap) .. {step['step_s_no_overlap'] * 1e3:.1f} "
+        "ms (no overlap)",
+    ]
+
+
+def plan_table(result: Plan) -> str:
+    """The report as text: settings, the per-rank memory table, fit advice and step time."""
+    s = result.settings
+    fsdp = s["fsdp_config"]
+    accum = s["gradient_accumulation_steps"]
+    lines = [
+        f"shardtrain plan: {result.model}",
+        f"  {s['parallel']}; per-device batch {s['per_device_batch']} x seq {s['seq_len']}"
+        f"{f' x {accum} micro-batches' if accum > 1 else ''}; mixed precision "
+        f"{s['mixed_precision']}; {s['optimizer']}; LoRA rank {s['lora_rank'] or '-'}",
+        f"  reshard_after_forward {fsdp['reshard_after_forward']}, activation_checkpointing "
+        f"{fsdp['activation_checkpointing']}, cpu_offload {fsdp['cpu_offload']}; target {s['target']}",
+        "",
+        f"{'per rank (rank 0)':<32} {'memory':>11}  note",
+    ]
+    for row in result.rows:
+        if row.name == "predicted peak":
+            lines.append("-" * 60)
+        lines.append(f"{row.name:<32} {human(row.bytes):>11}  {row.note}")
+    if result.fit is not None:
+        lines += ["", *_fit_lines(result.fit)]
+    if result.step is not None:
+        lines += ["", *_step_lines(result.step)]
+    return "\n".join(lines)

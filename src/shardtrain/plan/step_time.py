@@ -1,0 +1,106 @@
+"""Predicted step time: traced FLOPs / a compute rate + traced collective bytes / a link rate, per rank.
+
+Rates come from flags (`--tflops`, `--link-gbps`) or from a short calibration on this machine (a matmul for the
+compute rate; a large memory copy as a stand-in for the link, which says nothing about a real interconnect: pass
+`--link-gbps` for that). The report says which.
+
+    rates = Rates.resolve(tflops=None, link_gbps=400)   # compute rate measured here, link rate given
+    estimate = step_time(trace, rates)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardtrain.plan.model_source import PlanError
+from shardtrain.plan.trace import StepTrace
+
+
+def _timed(fn, min_seconds: float = 0.2) -> float:  # noqa: ANN001
+    fn()  # warm-up (allocations, kernels)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_seconds:
+        fn()
+        runs += 1
+    return (time.perf_counter() - start) / runs
+
+
+def measure_flops_rate(device: str = "cpu", n: int = 512) -> float:
+    """FLOP/s of an fp32 n x n matmul on `device` (the calibration of the compute rate)."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def run() -> None:
+        torch.mm(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return 2 * n**3 / _timed(run)
+
+
+def measure_copy_rate(device: str = "cpu", nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of a large tensor copy on `device`: a local stand-in for the link rate."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def run() -> None:
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return nbytes / _timed(run)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Compute rate (FLOP/s) and link rate (bytes/s per rank), and where each came from."""
+
+    flops_per_s: float
+    link_bytes_per_s: float
+    flops_source: str
+    link_source: str
+
+    @classmethod
+    def resolve(cls, tflops: float | None = None, link_gbps: float | None = None, device: str = "cpu") -> Rates:
+        """Given rates win; a missing one is measured here on `device`.
+
+        Raises:
+            PlanError: a given rate <= 0.
+        """
+        for name, value in (("tflops", tflops), ("link_gbps", link_gbps)):
+            if value is not None and value <= 0:
+                raise PlanError(f"{name} = {value} must be > 0 (e.g. --tflops 400 --link-gbps 50)")
+        if tflops is not None:
+            flops, flops_source = tflops * 1e12, "given (--tflops)"
+        else:
+            flops, flops_source = measure_flops_rate(device), f"measured here: fp32 matmul on {device}"
+        if link_gbps is not None:
+            link, link_source = link_gbps * 1e9, "given (--link-gbps)"
+        else:
+            link = measure_copy_rate(device)
+            link_source = f"measured here: memory copy on {device} (a stand-in; pass --link-gbps)"
+        return cls(flops, link, flops_source, link_source)
+
+
+def wire_bytes(trace: StepTrace) -> int:
+    """Bytes one rank sends per step with ring collectives over its FSDP group of n ranks: (n-1)/n of each
+    all-gather output and reduce-scatter input, 2(n-1)/n of each all-reduce."""
+    n = trace.fsdp_shard_size
+    if n <= 1:
+        return 0
+    total = 0.0
+    for name, size in trace.collective_bytes.items():
+        total += size * (n - 1) / n * (2 if "allreduce" in name else 1)
+    return int(total)
+
+
+def step_time(trace: StepTrace, rates: Rates) -> dict:
+    """Seconds per step: compute, communication, their sum (no overlap) and their max (full overlap)."""
+    compute = trace.flops / rates.flops_per_s
+    sent = wire_bytes(trace)
+    comm = sent / rates.link_bytes_per_s
+    return {"flops": trace.flops, "collective_bytes": dict(trace.collective_bytes), "wire_bytes": sent,
+            "compute_s": compute, "comm_s": comm, "step_s_no_overlap": compute + comm,
+            "step_s_full_overlap": max(compute, comm), "flops_rate": rates.flops_per_s,
+            "flops_rate_source": rates.flops_source, "link_rate": rates.link_bytes_per_s,
+            "link_rate_source": rates.link_source}

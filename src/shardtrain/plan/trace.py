@@ -1,0 +1,380 @@
+"""One Trainer step, traced on rank 0 of a fake process group with fake tensors: what each rank holds, when.
+
+The model is built, context-parallelised and sharded by shardtrain's own code (`apply_fsdp`, `build_optimizer`,
+`LossComputer`, `normalize_and_clip_grads`), as `Trainer` does, but every tensor is a `FakeTensor` and every
+collective goes to PyTorch's fake process group. Step 1 runs untraced (it creates AdamW's state); step 2 runs
+under PyTorch's `FSDPMemTracker` (one wrapper fixed, see `_tracker`), which labels every live storage
+(sharded/unsharded parameters, gradients, optimizer state, activations, all-gather and reduce-scatter buffers)
+and keeps the peak; for gloo, its reduce-scatter's input clone is added (`_GlooCopies`). Step 1 also runs under
+`FlopCounterMode` and a collective counter (for the step time). (LoRA and tp > 1 are refused by `plan` for now.)
+
+    from shardtrain.plan.trace import trace_step
+    trace = trace_step(builder, setup)      # a StepTrace; see shardtrain.plan.plan for the public entry
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.parallel.dims import ParallelDims
+from shardtrain.plan.model_source import PlanError
+
+# FSDPMemTracker's categories (its _FSDPRefType values), grouped into the rows of the report
+STATE_PARAM, STATE_GRAD, STATE_OPT = ("Sharded Param", "Buffer"), ("Sharded Grad",), ("OptState",)
+GATHERED = ("Unsharded Param", "All Gather")
+GRAD_BUFFERS = ("Unsharded Grad", "Reduce Scatter")
+ACTIVATION = ("Activation", "Temp", "Inputs")
+OFFLOADED = STATE_PARAM[:1] + STATE_GRAD + STATE_OPT  # on the host under cpu_offload
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What one traced step runs: sizes, the parsed fsdp_config, batch shape and options."""
+
+    dims: ParallelDims
+    fsdp_config: FSDPConfig
+    per_device_batch: int
+    seq_len: int
+    mixed_precision: str = "no"
+    optimizer: str = "adamw_torch_fused"
+    lora_rank: int = 0
+    max_grad_norm: float = 1.0
+    backend: str = "nccl"
+    gradient_accumulation_steps: int = 1
+
+
+@dataclass
+class StepTrace:
+    """What rank 0 holds during a traced step (bytes) and what the step computes and communicates."""
+
+    peak: int
+    peak_breakdown: dict[str, int]
+    peak_offloaded_device: int
+    state: dict[str, int]
+    units: list[tuple[str, int]]
+    layer_activations: list[tuple[str, int]]
+    logits: int
+    loss_buffers: int
+    flops: int
+    collective_bytes: dict[str, int] = field(default_factory=dict)
+    fsdp_shard_size: int = 1
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    """Bytes of each c10d collective's larger buffer on this rank (all-gather output, reduce-scatter input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional"):
+            name = func.__name__.split(".")[0].strip("_")
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            size = max((t.numel() * t.element_size() for t in tensors), default=0)
+            self.bytes[name] = self.bytes.get(name, 0) + size
+        return out
+
+
+class _GlooCopies(TorchDispatchMode):
+    """What gloo allocates that the fake process group does not: its reduce-scatter
+    (`ProcessGroupGloo::_reduce_scatter_base`) works on a clone of its input, a second input-sized buffer while
+    it runs (seen at the peak of bf16 runs). Entered above the tracker, so the tracker counts the clone."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        if func is torch.ops.c10d._reduce_scatter_base_.default:
+            clone = torch.empty_like(args[1])
+            out = func(*args, **kwargs)
+            del clone
+            return out
+        return func(*args, **kwargs)
+
+
+def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """PyTorch's `FSDPMemTracker`, with its post-backward wrapper fixed: PyTorch's keeps the last unsharded
+    gradient it labelled in a local variable while the reduce-scatter runs, so a one-parameter unit (the
+    embedding) would hold its full gradient twice at its reduce (+6 % on one rank); FSDP itself frees it after
+    the copy into the reduce-scatter input."""
+    from torch.distributed._tools import fsdp2_mem_tracker as fmt
+
+    class Tracker(fmt.FSDPMemTracker):
+        def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Callable) -> Callable:
+            @functools.wraps(orig)
+            def inner(*args: Any, **kwargs: Any) -> None:
+                fsdp_state = fsdp_mod._get_fsdp_state()
+                if group := fsdp_state._fsdp_param_group:
+                    for fsdp_param in group.fsdp_params:
+                        if fsdp_param._unsharded_param.grad is not None:
+                            self._update_and_maybe_create_winfos(fsdp_param._unsharded_param.grad,
+                                                                 fmt._FSDPRefType.UNSHARDED_GRAD,
+                                                                 update_existing=True)
+                mod_stat = self.memory_tracking[fsdp_mod]
+                mod_stat.snapshots.setdefault(fmt._FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
+                self._fsdp_state = fmt._FSDPState.POST_BW
+                orig(*args, **kwargs)
+                if group := fsdp_state._fsdp_param_group:
+                    for fsdp_param in group.fsdp_params:
+                        if fsdp_param.sharded_param.grad is not None:
+                            self._update_and_maybe_create_winfos(fsdp_param.sharded_param.grad,
+                                                                 fmt._FSDPRefType.SHARDED_GRAD)
+                mod_stat.snapshots.setdefault(fmt._FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
+            return inner
+
+    return Tracker(model, optimizer)
+
+
+def _flop_counter() -> FlopCounterMode:
+    """PyTorch's FLOP counter, plus the CPU flash-attention kernels it has no formula for (SDPA on CPU, which the
+    trace runs, would otherwise count no attention FLOPs); the formulas are PyTorch's own SDPA ones."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+        return flop_counter.sdpa_backward_flop_count(grad, query, key, value)
+
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _snapshot(tracker: Any) -> dict[str, int]:
+    snap = tracker.get_tracker_snapshot("current")
+    device = next(iter(snap.values()), {})
+    return {str(getattr(k, "value", k)): v for k, v in device.items()}
+
+
+def _sum(snap: dict[str, int], keys: tuple[str, ...]) -> int:
+    return sum(snap.get(k, 0) for k in keys)
+
+
+def _batch(setup: StepSetup, vocab: int, cp: Any) -> dict[str, Any]:
+    ids = torch.randint(0, max(vocab, 2), (setup.per_device_batch, setup.seq_len))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if cp is not None:
+        batch = cp.shard(batch, shift_labels=True, pad_token_id=0)
+    return batch
+
+
+def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module, Any]:
+    """LoRA -> context parallel -> tensor parallel -> FSDP, in the Trainer's order (train/model_setup.py).
+    (`plan` refuses LoRA and tp > 1 for now: peft and the tp plan cannot be built on fake tensors.)"""
+    from shardtrain.parallel.fsdp import apply_fsdp
+
+    if setup.lora_rank:
+        from peft import LoraConfig
+
+        from shardtrain.train.lora import add_adapters
+
+        model = add_adapters(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
+                                               target_modules="all-linear", task_type="CAUSAL_LM"))
+    cp = None
+    if setup.dims.cp > 1:
+        from shardtrain.parallel.context import ContextParallel
+
+        cp = ContextParallel(meshes.cp)
+        cp.enable(model)
+    if setup.dims.tp > 1:
+        from shardtrain.parallel.tensor import apply_tp
+
+        apply_tp(model, meshes.tp, None)
+    apply_fsdp(model, setup.fsdp_config, meshes.fsdp,
+               mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None)
+    return model, cp
+
+
+def _units(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[str, int]]:
+    """Each FSDP unit's own parameters, all-gathered (full size, in the dtype they are gathered in)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, seen = [], set()
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None or id(group) in seen:  # one unit over several modules (final norm + lm_head)
+            continue
+        seen.add(id(group))
+        if len(group.modules) > 1:
+            names[id(module)] = "+".join(names[id(m)] for m in group.modules)
+        size = sum(p._orig_size.numel() * (param_dtype or p.sharded_param.dtype).itemsize
+                   for p in group.fsdp_params)
+        out.append((names[id(module)] or "(root)", size))
+    return out
+
+
+class _Probe:
+    """Forward hooks that read the tracker's live activations around each unit, the logits and the loss."""
+
+    def __init__(self, model: nn.Module, tracker: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.tracker, self.layers, self.logits, self.after_forward, self.loss_buffers = tracker, [], 0, 0, 0
+        self._logits_ref: weakref.ref | None = None
+        self.handles, self.active = [], True
+        names = {id(m): n for n, m in model.named_modules()}
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and module is not model:
+                self.handles.append(module.register_forward_pre_hook(self._pre))
+                self.handles.append(module.register_forward_hook(self._make_post(names[id(module)])))
+        self.handles.append(model.register_forward_hook(self._root_post))
+        self._before = 0
+
+    def _act(self) -> int:
+        return _sum(_snapshot(self.tracker), ("Activation", "Temp"))
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if self.active:
+            self._before = self._act()
+
+    def _make_post(self, name: str) -> Callable:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            if self.active:
+                self.layers.append((name, self._act() - self._before))
+        return post
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.active:
+            logits = getattr(output, "logits", output if isinstance(output, torch.Tensor) else None)
+            self.logits = _local_bytes(logits) if isinstance(logits, torch.Tensor) else 0
+            self._logits_ref = weakref.ref(logits) if isinstance(logits, torch.Tensor) else None
+            self.after_forward = self._act()
+
+    def at_loss(self) -> None:
+        """After the loss, before backward: what the loss keeps for backward (its fp32 log-probabilities). The
+        net change of live activations, plus the logits when the loss let them go (it keeps its own copy)."""
+        freed = self.logits if self._logits_ref is not None and self._logits_ref() is None else 0
+        self.loss_buffers = max(self._act() - self.after_forward + freed, 0)
+        self.active = False  # activation checkpointing re-runs forwards in backward: not new activations
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
+    """Run two Trainer steps of `build()`'s model as rank 0 of `setup.dims.world_size` fake ranks.
+
+    Raises:
+        PlanError: a process group already exists in this process (the planner needs its own fake one).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardtrain.train.loss import LossComputer
+    from shardtrain.train.optim import build_optimizer, normalize_and_clip_grads
+
+    if dist.is_initialized():
+        raise PlanError("shardtrain.plan() runs its own fake process group; call it before init_distributed() (or "
+                        "run `shardtrain plan` as its own command)")
+    dist.init_process_group("fake", rank=0, world_size=setup.dims.world_size, store=FakeStore())
+    try:
+        meshes = setup.dims.build("cpu")
+        with FakeTensorMode():
+            model, cp = _prepare(build(), setup, meshes)
+            args = SimpleNamespace(weight_decay=0.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
+                                   adam_epsilon=1e-8, optim=setup.optimizer)
+            optimizer = build_optimizer(model, args)
+            loss = LossComputer(model, torch.device("cpu"))
+            vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
+            batch = _batch(setup, vocab, cp)
+            divisor = setup.per_device_batch * setup.dims.batch_size * setup.gradient_accumulation_steps
+            # Gradient accumulation as the Trainer does it: no reduce-scatter before the last micro-batch, so the
+            # unsharded gradients stay; memory repeats after the second micro-batch, which is all we trace.
+            micro = min(setup.gradient_accumulation_steps, 2)
+
+            def step(after_loss: Callable[[], None] | None = None,
+                     between: Callable[[], None] | None = None) -> None:
+                for index in range(micro):
+                    if micro > 1:
+                        model.set_requires_gradient_sync(index == micro - 1)
+                    if index and between is not None:
+                        between()
+                    loss_sum = loss(batch)
+                    if after_loss is not None and index == 0:
+                        after_loss()
+                    (loss_sum / divisor).backward()
+                normalize_and_clip_grads(model.parameters(), loss.local_counts([batch] * micro),
+                                         divisor * setup.dims.grad_average_size, setup.max_grad_norm,
+                                         setup.dims.world_size, count_copies=setup.dims.tp)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            counter = _CollectiveCounter()
+            with _flop_counter() as flops, counter:
+                step()
+            tracker = _tracker(model, optimizer)
+            tracker.track_inputs((batch,))
+            probe = _Probe(model, tracker)
+            with tracker, _GlooCopies() if setup.backend == "gloo" else contextlib.nullcontext():
+                # FSDPMemTracker keeps one forward per module per iteration: start its module stats afresh for
+                # the second micro-batch (the overall peak it keeps is not reset)
+                step(probe.at_loss, tracker.reset_mod_stats)
+            probe.remove()
+            return _result(model, optimizer, setup, tracker, probe, flops, counter)
+    finally:
+        dist.destroy_process_group()
+
+
+def _device_peak_offloaded(tracker: Any) -> int:
+    """The peak without the tensors that CPU offload keeps on the host, over every snapshot the tracker kept."""
+    best = 0
+    for stats in tracker.memory_tracking.values():
+        for snaps in stats.snapshots.values():
+            for snap in snaps:
+                for dev_snap in snap.values():
+                    named = {str(getattr(k, "value", k)): v for k, v in dev_snap.items()}
+                    best = max(best, named.get("Total", 0) - _sum(named, OFFLOADED))
+    return best
+
+
+def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup, tracker: Any, probe: _Probe,
+            flops: FlopCounterMode, counter: _CollectiveCounter) -> StepTrace:
+    peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    breakdown = {str(getattr(k, "value", k)): v for k, v in peak_snap.items()}
+    params = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(b) for b in model.buffers())
+    grads = sum(_local_bytes(p) for p in model.parameters() if p.requires_grad)
+    opt = sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.mixed_precision)
+    fsdp_mesh = setup.dims.dp_shard * setup.dims.cp
+    # step 1 ran min(accumulation, 2) micro-batches; a step runs all of them: their FLOPs and all-gathers repeat
+    # (the reduce-scatter runs once, after the last; AdamW's FLOPs are negligible)
+    scale = setup.gradient_accumulation_steps / min(setup.gradient_accumulation_steps, 2)
+    collectives = {k: int(v * scale) if "allgather" in k else v for k, v in counter.bytes.items()}
+    return StepTrace(
+        peak=breakdown.get("Total", 0), peak_breakdown=breakdown,
+        peak_offloaded_device=_device_peak_offloaded(tracker),
+        state={"parameters": params, "gradients": grads, "optimizer_state": opt},
+        units=_units(model, dtype), layer_activations=probe.layers, logits=probe.logits,
+        loss_buffers=probe.loss_buffers, flops=int(flops.get_total_flops() * scale),
+        collective_bytes=collectives, fsdp_shard_size=fsdp_mesh)

@@ -1,0 +1,72 @@
+"""Bad planner inputs: one message naming the key, the value and the fix; `shardtrain plan` exits 2.
+
+    OMP_NUM_THREADS=1 SHARDTRAIN_CPU=1 /work/main/.venv/bin/python -m pytest tests/plan/test_errors.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import LlamaConfig
+
+from shardtrain.cli.main import main
+from shardtrain.config.fsdp_config import FSDPConfigError
+from shardtrain.parallel.dims import ParallelDimsError
+from shardtrain.plan import PlanError, plan
+from shardtrain.plan.memory import parse_bytes
+
+
+@pytest.fixture
+def config_json(tmp_path):
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=False).save_pretrained(tmp_path)
+    return tmp_path / "config.json"
+
+
+def test_bad_inputs_name_the_key(tmp_path, config_json):
+    with pytest.raises(FSDPConfigError, match="reshard_after_forwad"):
+        plan(config_json, fsdp_config={"reshard_after_forwad": True})
+    with pytest.raises(ParallelDimsError, match="cp_size x tp_size = 2 x 1"):
+        plan(config_json, world_size=3, cp=2)
+    with pytest.raises(PlanError, match="no such file"):
+        plan(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(PlanError, match="'model_type'"):
+        plan(tmp_path / "bad.json")
+    with pytest.raises(PlanError, match="per_device_batch = 0"):
+        plan(config_json, per_device_batch=0)
+    with pytest.raises(PlanError, match="optimizer = 'sgd'"):
+        plan(config_json, optimizer="sgd")
+
+
+@pytest.mark.parametrize(("text", "expected"), [("80GiB", 80 * 2**30), ("80 GB", 80 * 10**9), ("1.5MiB", 1572864),
+                                                 (1024, 1024)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80 gigs", "-1GiB", "0", ""])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(PlanError, match="--device-memory"):
+        parse_bytes(text)
+
+
+def test_cli_json_and_exit_codes(config_json, capsys):
+    assert main(["plan", str(config_json), "--world-size", "2", "--batch", "2", "--seq-len", "16", "--json",
+                 "--no-step-time", "--device-memory", "1GiB", "--target", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fit"]["fits"] is True and out["predicted_peak_bytes"] == out["fit"]["peak"]
+    assert out["settings"]["parallel"].endswith("= 2 ranks")
+    assert main(["plan", str(config_json), "--device-memory", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device-memory = 'lots'")
+    assert main(["plan", str(config_json), "--world-size", "4", "--cp", "3"]) == 2
+    assert "cp_size x tp_size = 3 x 1" in capsys.readouterr().err
+
+
+def test_not_modelled_yet_is_refused(config_json):
+    with pytest.raises(PlanError, match="lora_rank = 8: the planner does not model LoRA"):
+        plan(config_json, lora_rank=8)
+    with pytest.raises(PlanError, match="tp = 2: the planner does not model tensor parallelism"):
+        plan(config_json, world_size=2, tp=2)

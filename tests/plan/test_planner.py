@@ -1,0 +1,146 @@
+"""`shardtrain.plan.plan` on a tiny Llama: exact per-rank state bytes, what each setting changes, model sources.
+
+    OMP_NUM_THREADS=1 SHARDTRAIN_CPU=1 /work/main/.venv/bin/python -m pytest tests/plan/test_planner.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shardtrain.plan import plan
+
+LAYERS = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+
+
+def tiny_config(**extra) -> LlamaConfig:
+    values = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+              "tie_word_embeddings": False, "use_cache": False}
+    values.update(extra)
+    return LlamaConfig(**values)
+
+
+def quick(model=None, **kwargs):
+    kwargs.setdefault("fsdp_config", LAYERS)
+    kwargs.setdefault("per_device_batch", 2)
+    kwargs.setdefault("seq_len", 16)
+    return plan(model if model is not None else tiny_config(), estimate_step_time=False, what_if=False,
+                target="cpu", **kwargs)
+
+
+def rank0_shard_bytes(model: torch.nn.Module, world: int) -> int:
+    """FSDP2 shards dim 0 in chunks of ceil(rows / world): rank 0 holds the first (largest) chunk."""
+    total = 0
+    for param in model.parameters():
+        rows = param.shape[0]
+        total += min(math.ceil(rows / world), rows) * (param.numel() // rows) * param.element_size()
+    return total
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_state_rows_are_the_exact_shards(world):
+    result = quick(world_size=world)
+    torch.manual_seed(0)
+    real = LlamaForCausalLM(tiny_config())
+    shard = rank0_shard_bytes(real, world)
+    buffers = sum(b.numel() * b.element_size() for b in real.buffers())
+    rows = {r.name: r.bytes for r in result.rows}
+    assert rows["parameters (sharded)"] == shard + buffers
+    assert rows["gradients (sharded)"] == shard
+    # AdamW: exp_avg + exp_avg_sq in fp32, plus one fp32 step scalar per parameter tensor
+    assert rows["optimizer state"] == 2 * shard + 4 * len(list(real.parameters()))
+    assert result.peak == result.trace.peak_breakdown["Total"]
+    assert result.peak > rows["parameters (sharded)"] + rows["gradients (sharded)"] + rows["optimizer state"] / 2
+
+
+def test_settings_move_the_right_rows():
+    base = quick(world_size=2)
+    ac = quick(world_size=2, activation_checkpointing=True)
+    bf16 = quick(world_size=2, bf16=True)
+    no_reshard = quick(world_size=2, reshard_after_forward=False)
+    accumulate = quick(world_size=2, gradient_accumulation_steps=4)
+
+    def layer_act(result):
+        return max(size for name, size in result.trace.layer_activations if "layers" in name)
+
+    assert layer_act(ac) < layer_act(base) / 3  # with AC a layer keeps little more than its input
+    assert ac.peak < base.peak
+    units = dict(base.trace.units)
+    assert dict(bf16.trace.units)["model.layers.0"] * 2 == units["model.layers.0"]  # gathered in bf16
+    assert no_reshard.peak > base.peak  # gathered layers stay until backward
+    # between micro-batches FSDP keeps every unit's unsharded gradient (no reduce-scatter until the last)
+    full_grads = sum(size for _, size in base.trace.units)  # every unit's gradient, unsharded, fp32
+    assert accumulate.trace.peak_breakdown["Unsharded Grad"] == full_grads
+    assert accumulate.peak > base.peak
+    assert {r.name: r.bytes for r in ac.rows}["optimizer state"] == {r.name: r.bytes for r in base.rows}[
+        "optimizer state"]
+
+
+def test_config_json_model_dir_and_module_agree(tmp_path):
+    config = tiny_config()
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    # a checkpoint stored in bf16: the Trainer still loads it in fp32 (parallel/loading.py), and so does the plan
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    from_config = quick(world_size=2)
+    from_dir = quick(tmp_path, world_size=2)
+    from_file = quick(tmp_path / "config.json", world_size=2)
+    torch.manual_seed(0)
+    from_module = quick(LlamaForCausalLM(config), world_size=2)
+    assert from_config.peak == from_dir.peak == from_file.peak == from_module.peak
+
+
+def test_fit_advice_and_json(tmp_path):
+    first = quick(world_size=2)
+    small = first.peak - first.peak // 10
+    result = plan(tiny_config(), fsdp_config=LAYERS, world_size=2, per_device_batch=2, seq_len=16, target="cpu",
+                  device_memory=small, what_if=True, tflops=1.0, link_gbps=1.0)
+    fit = result.fit
+    assert fit["fits"] is False and fit["peak"] == result.peak and fit["headroom"] < 0
+    changes = {o["change"].split(":")[0]: o for o in fit["options"]}
+    assert changes["activation_checkpointing"]["peak"] == result.what_if_ac.peak < result.peak
+    step = result.step
+    assert step["compute_s"] == pytest.approx(step["flops"] / 1e12)
+    assert step["flops_rate_source"] == "given (--tflops)"
+    assert step["wire_bytes"] > 0 and step["collective_bytes"]["allgather_base"] > 0
+    json.dumps(result.to_dict())
+    assert "does NOT fit" in result.table()
+
+
+def test_context_parallel_halves_activations():
+    base = quick(world_size=2, seq_len=32)
+    cp = quick(world_size=4, cp=2, seq_len=32)
+    assert cp.trace.logits * 2 == base.trace.logits  # each cp rank holds half of every sequence
+
+
+@pytest.mark.parametrize(("bf16", "logit_bytes"), [(False, 4), (True, 2)])
+def test_logits_and_loss_buffers(bf16, logit_bytes):
+    result = quick(world_size=2, bf16=bf16)
+    tokens, vocab = 2 * 16, tiny_config().vocab_size
+    assert result.trace.logits == tokens * vocab * logit_bytes  # bf16 compute: bf16 logits
+    # the loss upcasts: fp32 log-probs kept for backward (+ the scalar loss and its token count)
+    assert tokens * vocab * 4 <= result.trace.loss_buffers <= tokens * vocab * 4 + 16
+
+
+def test_step_flops_and_collectives():
+    config = tiny_config()
+    batch, seq, heads, head_dim = 2, 16, config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    torch.manual_seed(0)
+    linear = sum(m.weight.numel() for m in LlamaForCausalLM(config).modules() if isinstance(m, torch.nn.Linear))
+    bmm = 2 * batch * heads * seq * seq * head_dim  # one q.k^T or scores.v product
+    # forward + backward of every linear layer: 6 FLOPs per weight per token; attention: 2 products forward,
+    # 5 backward (PyTorch's SDPA formulas), per layer
+    expected = 6 * linear * batch * seq + 7 * bmm * config.num_hidden_layers
+    results = {g: quick(world_size=2, gradient_accumulation_steps=g) for g in (1, 4)}
+    assert results[1].trace.flops == expected
+    assert results[4].trace.flops == 4 * expected
+    one, four = results[1].trace.collective_bytes, results[4].trace.collective_bytes
+    assert four["allgather_base"] == 4 * one["allgather_base"]  # forward and backward of every micro-batch
+    assert four["reduce_scatter_base"] == one["reduce_scatter_base"]  # once per step
+    units = sum(size for _, size in results[1].trace.units)
+    assert one["reduce_scatter_base"] == units  # every gradient, fp32, once
