@@ -189,7 +189,7 @@ def markdown(results: dict[str, Any]) -> str:
              "| user / sys ms, page faults | peak RSS delta MiB/rank | model state MiB/rank | sharded |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for size, res in results["sizes"].items():
-        for mode in [m for m in res if not m.startswith("ratios")]:
+        for mode in [m for m in res if not m.startswith("ratios") and m != "step_over_compute_bound"]:
             row = res[mode]
             if "steps_per_s" not in row:
                 lines.append(f"| {size} | {mode} | error: {row.get('error', 'not run')[:80]} | | | | | | | |")
@@ -207,6 +207,8 @@ def markdown(results: dict[str, Any]) -> str:
         for key in ("ratios", "ratios_cpu_time", "ratios_user_cpu_time"):
             text = ", ".join(f"{k} = {v}" for k, v in res.get(key, {}).items())
             lines.append(f"| {size} | {key} (steps/s) | {text} | | | | | | | |")
+        text = ", ".join(f"{k} = {v}" for k, v in res.get("step_over_compute_bound", {}).items())
+        lines.append(f"| {size} | step / compute bound (goal <= 1.5) | {text} | | | | | | | |")
     lines += ["", "| size | N | measured bytes/rank | 16·P/N | measured/formula | + step tensors |",
               "|---|---|---|---|---|---|"]
     for size, per_n in results.get("model_state_bytes", {}).items():
