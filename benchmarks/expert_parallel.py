@@ -13,7 +13,7 @@ MoE (8 experts, top-2, load-balancing loss on; `MOE` below) with `shardtrain.Tra
 Measured from the tensors on each rank, before the second optimizer step: expert parameter, gradient and AdamW
 moment bytes (`share` = those / the experts' full parameter bytes; expected 1 / (ep x efsdp) = 1/4 in every mode,
 since FSDP already shards ep1's experts 4 ways), and the expert weight bytes a rank holds unsharded while a layer
-runs (a forward pre-hook: 1/ep of the layer's experts). Step time is the median wall time of steps 3-6 on this
+runs (a forward pre-hook: 1/ep of the layer's experts). Step time is the median wall time of steps 4-6 on this
 2-core machine (4 ranks share 2 cores: compare modes, not absolute numbers). Prints JSON, writes --out.
 """
 

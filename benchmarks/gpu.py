@@ -11,14 +11,15 @@ fp32 reductions and master weights), activation checkpointing on every decoder l
 smallest loop on `fully_shard` with the same settings (per-layer `checkpoint_wrapper` and `module.compile()`).
 
 Reported per mode: tokens/s per GPU and step time (median of the timed steps, after --warmup), MFU = model
-FLOPs per step (6 x non-embedding parameters x tokens + 12 x layers x hidden x seq x tokens, PaLM's count) / step
-time / the device's peak dense bf16 FLOP/s (known devices below, or --peak-tflops), peak memory
+FLOPs per step (6 x parameters except the input-embedding lookup x tokens + 12 x layers x hidden x seq x tokens,
+PaLM's count) / step time / the device's peak dense bf16 FLOP/s (known devices below, or --peak-tflops), peak memory
 (`torch.cuda.max_memory_allocated`; on CPU none), the first step's time (compile happens there) and the losses.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -75,7 +76,7 @@ def worker(cli: argparse.Namespace) -> None:
         model = build().to(device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for index, layer in enumerate(model.model.layers):
-            wrapped = checkpoint_wrapper(layer, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(layer, preserve_rng_state=True)  # as the Trainer
             if compile_:
                 wrapped.compile()
             fully_shard(wrapped, mp_policy=mp)
@@ -129,12 +130,15 @@ def worker(cli: argparse.Namespace) -> None:
     with torch.device("meta"):
         meta = build()
     params = sum(p.numel() for p in meta.parameters())
-    non_embedding = params - shape["vocab_size"] * shape["hidden_size"]
+    # the input embedding is a lookup (no FLOPs); a tied head shares its weight but still multiplies
+    non_embedding = params - (0 if shape["tie_word_embeddings"] else shape["vocab_size"] * shape["hidden_size"])
     flops_per_step = model_flops_per_token(shape, seq, non_embedding) * seq * batch  # per GPU
     peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu", cli.peak_tflops)
     results: dict[str, Any] = {}
     for mode in cli.modes.split(","):
+        gc.collect()  # the previous mode's model and optimizer (FSDP keeps reference cycles)
         if cuda:
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         kind, how = mode.split("_")
         times, losses = (trainer_run if kind == "trainer" else raw_run)(how == "compile")

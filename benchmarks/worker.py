@@ -164,12 +164,14 @@ SHARDTRAIN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, s
 
 def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
     from shardtrain import Trainer, TrainingArguments
+    from shardtrain.parallel.cpu_allocator import tune_cpu_allocator
     from shardtrain.parallel.distributed import init_distributed
     from shardtrain.train.state import TrainerCallback
 
     config_overrides, arg_overrides, environment = SHARDTRAIN_VARIANTS[cli.mode]
     os.environ.update(environment)
     init_distributed()
+    allocator = tune_cpu_allocator()  # what init_distributed set (None: glibc's own, or the user's settings)
     rank, world = dist.get_rank(), dist.get_world_size()
     total = cli.warmup + cli.steps
     samples = data_for_run(spec, world, total)
@@ -214,6 +216,7 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
     durations = timer.durations()
     result = {"mode": cli.mode, "size": spec.name, "world_size": world,
               "first_step_s": round(durations[0], 3) if durations else None,  # compile happens here
+              "cpu_allocator": allocator,
               "timing": summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens),
               "rusage_per_step_rank0": timer.usage_per_step(cli.warmup),
               "global_steps": state.global_step, "mean_loss": losses[-1] if losses else None,

@@ -24,7 +24,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
     python(WORKER, json.dumps([
         {**MOE, "out": str(root / "ref"), "per_device_train_batch_size": 8, "generate": True},
-        {**MOE, "out": str(root / "ref_accum"), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}]))
+        {**MOE, "out": str(root / "ref_accum"), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+        {**MOE, "out": str(root / "ref_subclass"), "per_device_train_batch_size": 8, "subclass_compute_loss": True}]))
     checkpoint = str(root / "ep2" / "checkpoint-5")
     torchrun(WORKER, 4, json.dumps([
         {**MOE, "out": str(root / "ep2"), "per_device_train_batch_size": 2, "ep_size": 2, "expert_bytes": True,
@@ -36,6 +37,8 @@ def runs(tmp_path_factory):
          "ep_size": 2},
         {**MOE, "out": str(root / "ep2_ac"), "per_device_train_batch_size": 2, "ep_size": 2,
          "fsdp_config": {"activation_checkpointing": True}},
+        {**MOE, "out": str(root / "ep2_size_wrap"), "per_device_train_batch_size": 2, "ep_size": 2,
+         "fsdp_config": {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000}},
         {**MOE, "out": str(root / "tp2_ep2"), "per_device_train_batch_size": 4, "tp_size": 2, "ep_size": 2},
         {**MOE, "out": str(root / "tp2_ep4"), "per_device_train_batch_size": 4, "tp_size": 2, "ep_size": 4},
         {**MOE, "out": str(root / "ep2_hsdp_foreach"), "per_device_train_batch_size": 2, "ep_size": 2,
@@ -48,7 +51,8 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4", "ep2_ac", "ep2_hsdp_foreach", "tp2_ep2", "tp2_ep4"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "ep2_ac", "ep2_hsdp_foreach", "ep2_size_wrap", "tp2_ep2",
+                                  "tp2_ep4"])
 def test_ep_equals_one_process(runs, name):
     assert_same_training(runs, "ref", name, tol=1e-5, weight_tol=1e-4)
     assert max(run_result(runs, name)["grad_norms"]) > 1.0  # max_grad_norm 1.0: clipping is active
@@ -117,3 +121,8 @@ def test_shardtrain_merge_of_an_ep_checkpoint(runs, tmp_path):
 
 def test_tp_ep_layout(runs):
     assert "dp_shard 2 x cp 1 x tp 2 x ep 4 = 4 ranks" in run_result(runs, "tp2_ep4")["layout"]
+
+
+def test_a_compute_loss_override_calling_super_keeps_the_router_loss(runs):
+    ref, got = run_result(runs, "ref"), run_result(runs, "ref_subclass")
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6, rel=0)

@@ -71,7 +71,10 @@ def check_ep(model: nn.Module, ep: int) -> dict[str, nn.Module]:
             "Qwen3MoeForCausalLM, MixtralForCausalLM or OlmoeForCausalLM; set ep_size to 1")
     for name, module in experts.items():
         count = getattr(module, "num_experts", None)
-        if not isinstance(count, int) or count % ep:
+        if not isinstance(count, int):
+            raise ExpertParallelError(f"ep_size = {ep}: {name} ({type(module).__name__}) has no integer num_experts; "
+                                      "this experts module is not supported")
+        if count % ep:
             raise ExpertParallelError(f"ep_size = {ep} does not divide the {count} experts of {name} "
                                       f"({type(model).__name__}); choose an ep_size that divides {count}")
         weights = _expert_weights(module, count)

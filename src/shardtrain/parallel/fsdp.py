@@ -28,7 +28,7 @@ from torch.distributed.fsdp import (
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device
-from shardtrain.parallel.expert import GRAD_RESCALE, expert_modules
+from shardtrain.parallel.expert import EP_FLAG, GRAD_RESCALE, expert_modules
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,8 @@ def apply_fsdp(
     common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
 
     tied = tied_parameter_ids(model)
-    units = find_fsdp_units(model, config)
+    # experts prepared by apply_ep are units over the expert mesh (below), whatever the wrap policy picks
+    units = [unit for unit in find_fsdp_units(model, config) if not getattr(unit, EP_FLAG, False)]
     head = output_unit(model, units, tied, config)
     if config.activation_checkpointing:
         if not units:
@@ -237,7 +238,8 @@ def apply_fsdp(
             # gradient checkpointing, turn it off for training; generate still works, without cache reuse).
             model.config.use_cache = False
     if compile_options is not None:
-        for unit in units:  # in place (`nn.Module.compile`): names and state-dict keys do not change
+        # in place (`nn.Module.compile`): names and state-dict keys do not change; no units: one graph
+        for unit in units or [model]:
             unit.compile(**compile_options)
     for experts in expert_modules(model):
         if expert_mesh is None:

@@ -33,7 +33,7 @@ def model_class_from_config(path: Path) -> type:
 
 def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_class: type | None = None,
                     mixed_precision: str | None = None, device: torch.device | None = None,
-                    mesh: DeviceMesh | None = None) -> nn.Module:
+                    mesh: DeviceMesh | None = None, compile_options: dict | None = None) -> nn.Module:
     """Load `path` (config.json + weights) and shard it with FSDP2 (`fsdp_config` None: no sharding).
 
     Args:
@@ -43,6 +43,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_c
         mixed_precision: passed on to `apply_fsdp`.
         device: where parameters live (default CPU).
         mesh: the mesh to shard over (default: `apply_fsdp`'s, from the config).
+        compile_options: passed on to `apply_fsdp` (torch.compile per FSDP unit).
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -52,7 +53,11 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_c
     config = fsdp_config
     if config is None or not config.cpu_ram_efficient_loading:
         model = cls.from_pretrained(str(path), dtype=torch.float32).to(device)
-        return apply_fsdp(model, config, mesh, mixed_precision=mixed_precision) if config is not None else model
+        if config is None:
+            if compile_options is not None:
+                model.compile(**compile_options)
+            return model
+        return apply_fsdp(model, config, mesh, mixed_precision=mixed_precision, compile_options=compile_options)
 
     rank = dist.get_rank()
     if rank == 0:
@@ -63,7 +68,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_c
         with torch.device("meta"):
             model = cls._from_config(hf_config, dtype=torch.float32)
         full_state = {}
-    apply_fsdp(model, config, mesh, mixed_precision=mixed_precision)
+    apply_fsdp(model, config, mesh, mixed_precision=mixed_precision, compile_options=compile_options)
     if rank != 0:
         model.to_empty(device=device)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,

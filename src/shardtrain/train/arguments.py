@@ -35,7 +35,7 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 STRATEGIES = ("no", "steps", "epoch")
 REPORTERS = ("tensorboard",)  # metrics.jsonl is always written
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 
 
 class _Unset:
@@ -293,6 +293,10 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         self.report_to = reporters
         if self.bf16 and self.fp16:
             self._fail("bf16", "and fp16 are both set; choose one mixed precision")
+        if self.torch_compile_mode in ("reduce-overhead", "max-autotune"):
+            self._fail("torch_compile_mode", f"= {self.torch_compile_mode!r} records CUDA graphs, which FSDP2's "
+                       "per-step all-gather buffers and expert dispatch defeat; use 'default' or "
+                       "'max-autotune-no-cudagraphs'")
         if self.torch_compile_mode not in COMPILE_MODES:
             self._fail("torch_compile_mode", f"got {self.torch_compile_mode!r}; allowed values: {list(COMPILE_MODES)}")
         if self.torch_compile_backend is not None and not isinstance(self.torch_compile_backend, str):
@@ -349,6 +353,9 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
             if getattr(self, name) > 1 and not self.fsdp_enabled:
                 self._fail(name, f"= {getattr(self, name)} needs FSDP (the rest of the model is sharded over the "
                            "data-parallel ranks); set fsdp=True or start with shardtrain launch --fsdp")
+        if self.torch_compile and self.ep_size > 1:
+            self._fail("torch_compile", f"with ep_size = {self.ep_size} is not supported yet (the expert dispatch "
+                       "reads token counts back every layer, which breaks compiled graphs); use one of them")
         if self.cp_size > 1 and self.tp_size > 1:
             self._fail("cp_size", f"= {self.cp_size} with tp_size = {self.tp_size}: context and tensor parallelism "
                        "together are not tested yet; use one of them")
@@ -399,9 +406,9 @@ NOTES = {
     "sp_size": "Ulysses sequence-parallel size (refused above 1)",
     "tp_size": "tensor-parallel size: the model's own TP plan on the tp mesh, FSDP over the rest (see README)",
     "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",
-    "ep_size": "expert-parallel size: routed experts of MoE models spread over ep ranks (inside dp_shard x cp)",
+    "ep_size": "expert-parallel size: MoE experts spread over ep ranks (inside dp_shard x cp x tp; see README)",
     "save_async": "write checkpoints in the background (DCP async save)",
-    "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way",
+    "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way; not with ep",
     "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
     "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",
     "generation_num_beams": "as Seq2SeqTrainingArguments",

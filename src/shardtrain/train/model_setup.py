@@ -48,7 +48,8 @@ class ModelSetupMixin:
                                 f"with data (and context) parallelism, {name} 1")
         if isinstance(model, str | os.PathLike):
             model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
-                                    mixed_precision=args.mixed_precision, device=self.device)
+                                    mixed_precision=args.mixed_precision, device=self.device,
+                                    compile_options=self._compile_options())
             self._enable_context_parallel(model)
             return model
         self._enable_context_parallel(model)
@@ -56,6 +57,10 @@ class ModelSetupMixin:
             kwargs = {"use_reentrant": False, **args.gradient_checkpointing_kwargs}
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if args.fsdp_enabled:
+            if isinstance(model, FSDPModule) and (args.torch_compile or self.dims.ep > 1):
+                raise TrainingArgumentsError(
+                    "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
+                    "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
             if not isinstance(model, FSDPModule):
                 model.to(self.device)
                 if self.dims.tp > 1:  # torchtitan's order: tensor parallel, then checkpointing and FSDP

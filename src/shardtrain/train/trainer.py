@@ -136,6 +136,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self.control = TrainerControl()
         self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled)
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
+        self._micro_batches = 1  # of the current optimizer step (training_step sets it)
         self.optimizer, self.lr_scheduler = optimizers
         self._check_given_optimizer()
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
@@ -310,6 +311,9 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             loss_sum, outputs = self.loss.compute(inputs)
             count = num_items_in_batch if num_items_in_batch is not None else self.loss.items(inputs)
             loss = loss_sum / count
+            if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
+                # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
+                loss = loss + self.router_loss.local_share(outputs, inputs) / self._micro_batches
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -327,20 +331,20 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         fsdp = isinstance(self.model, FSDPModule)
         custom = self._custom_loss
         num_items = None
-        if custom or self.router_loss.enabled:  # the global target-token count before the forward
+        # Hugging Face's compute_loss contract, and the router loss (added in token-sum units), need the global
+        # target-token count before the forward
+        by_compute_loss = custom or self.router_loss.enabled
+        if by_compute_loss:
             num_items = self.loss.local_counts(batches)[0].clone()
             dist.all_reduce(num_items, group=self.meshes.loss.get_group())  # tp ranks share their tokens
             num_items = num_items.to(torch.int64)
+        self._micro_batches = len(batches)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
             if fsdp and len(batches) > 1:  # reduce-scatter once per step, not per micro-step
                 self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            if custom:
+            if by_compute_loss:
                 micro_sum = self.compute_loss(self.model, batch, num_items_in_batch=num_items) * num_items
-            elif self.router_loss.enabled:  # in token-sum units, like the cross entropy it is added to
-                micro_sum, outputs = self.loss.compute(batch)
-                share = self.router_loss.local_share(outputs, batch)
-                micro_sum = micro_sum + share * num_items.clamp(min=1) / len(batches)
             else:
                 micro_sum = self.loss(batch)
             (micro_sum / global_samples).backward()

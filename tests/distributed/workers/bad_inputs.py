@@ -158,6 +158,10 @@ case("parallel_tp_moe_without_ep", "parallelism", ["tp_size = 2", "Qwen3MoeForCa
      lambda out: train(out, tp_size=2, model=tiny_qwen3_moe()))
 case("parallel_ep_lora", "parallelism", ["ep_size = 2", "LoRA"],
      lambda out: train(out, ep_size=2, model=lora_moe()))
+case("args_compile_cuda_graphs", "arguments", ["torch_compile_mode", "reduce-overhead", "CUDA graphs"],
+     lambda out: args(out, torch_compile=True, torch_compile_mode="reduce-overhead"))
+case("args_compile_with_ep", "arguments", ["torch_compile", "ep_size = 2"],
+     lambda out: args(out, torch_compile=True, ep_size=2))
 case("parallel_cp_router_loss", "parallelism", ["cp_size = 2", "output_router_logits"],
      lambda out: train(out, cp_size=2, model=tiny_qwen3_moe()))
 case("args_cp_and_tp", "arguments", ["cp_size", "tp_size"], lambda out: args(out, cp_size=2, tp_size=2))

@@ -15,7 +15,8 @@ compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and
 "model_seed" (the tiny Llama's initialisation seed, default 0), "base_bf16" (the model cast to bf16 first),
 "peft_model" (the model wrapped with get_peft_model before the Trainer sees it), "generate" (greedy tokens
 from a fixed prompt after training go to result.json), "expert_bytes" (each rank's expert parameter, gradient
-and optimizer bytes at step 2 go to result.json). Models: "qwen3_moe" is a tiny Qwen3-MoE with its
+and optimizer bytes at step 2 go to result.json), "subclass_compute_loss" (a Trainer subclass overriding
+compute_loss with a call to super()). Models: "qwen3_moe" is a tiny Qwen3-MoE with its
 load-balancing loss on.
 Rank 0 writes OUT/result.json.
 """
@@ -88,6 +89,14 @@ class ExpertBytes(TrainerCallback):
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         self.per_rank = gathered
+
+
+class SuperComputeLoss(Trainer):
+    """A user's Trainer subclass whose compute_loss defers to the default one (Hugging Face's usual pattern)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
 
 
 class RandomMaskCollator(PaddingCollator):
@@ -163,6 +172,7 @@ def run_job(knobs: dict) -> None:
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     save_merged = knobs.pop("save_merged", None)
     expert_bytes = ExpertBytes() if knobs.pop("expert_bytes", False) else None
+    knobs_subclass = knobs.pop("subclass_compute_loss", False)
     collator = RandomMaskCollator() if knobs.pop("random_collator", False) else None
     restore = inject_checkpoint_fault(**knobs.pop("checkpoint_fault")) if "checkpoint_fault" in knobs else None
     defaults = {"learning_rate": 1e-2, "weight_decay": 0.1, "max_steps": 10, "logging_steps": 1, "fsdp": True,
@@ -170,7 +180,8 @@ def run_job(knobs: dict) -> None:
     args = TrainingArguments(output_dir=str(out), **{**defaults, **knobs})
     callbacks = [StopAfter(stop_after)] if stop_after else []
     callbacks += [expert_bytes] if expert_bytes else []
-    trainer = Trainer(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
+    trainer_class = SuperComputeLoss if knobs_subclass else Trainer
+    trainer = trainer_class(model, args, train_dataset=data, eval_dataset=data[:20], callbacks=callbacks,
                       data_collator=collator, compute_metrics=token_accuracy if predict else None,
                       peft_config=peft_config)
     try:
