@@ -70,3 +70,5 @@ def test_not_modelled_yet_is_refused(config_json):
         plan(config_json, lora_rank=8)
     with pytest.raises(PlanError, match="tp = 2: the planner does not model tensor parallelism"):
         plan(config_json, world_size=2, tp=2)
+    with pytest.raises(PlanError, match="ep = 2: the planner does not model expert parallelism"):
+        plan(config_json, world_size=2, ep=2)

@@ -119,6 +119,10 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     if tp != 1:
         raise PlanError(f"tp = {tp}: the planner does not model tensor parallelism yet (its sharding plan needs real "
                         "tensors); plan with tp = 1")
+    if ep != 1:  # expert dispatch reads token counts back: fake tensors cannot trace it
+        raise PlanError(f"ep = {ep}: the planner does not model expert parallelism yet; plan with ep = 1 (each rank "
+                        "then holds the same 1/N of the experts' state, but gathers all of a layer's experts) or "
+                        "measure with benchmarks/expert_parallel.py")
     config = _fsdp_config(fsdp_config, {"activation_checkpointing": activation_checkpointing,
                                         "cpu_offload": cpu_offload, "reshard_after_forward": reshard_after_forward})
     if world_size is None:
