@@ -29,13 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from shardtrain.checkpoint.async_manager import AsyncSaveMixin
 from shardtrain.checkpoint.errors import CheckpointError
@@ -66,6 +60,7 @@ from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
     tied_aliases,
 )
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
+from shardtrain.checkpoint.state_access import TorchStates
 from shardtrain.parallel.distributed import barrier
 
 
@@ -123,23 +118,28 @@ class CheckpointManager(AsyncSaveMixin):
         frozen_base: for adapter training (LoRA): `frozen_identity` of the model before sharding. Checkpoints then
             hold the trainable parameters only, and loading one trained on another base is refused.
         extra_files: name -> text, written into every checkpoint by rank 0 (e.g. adapter_config.json).
+        state_access: how model and optimizer state are read and written (`TorchStates`; the XLA backend
+            passes its own).
     """
 
     def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
                  save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None,
-                 extra_files: dict[str, str] | None = None) -> None:
+                 extra_files: dict[str, str] | None = None, state_access: type = TorchStates) -> None:
         self.output_dir = Path(output_dir)
         self.extra_files = dict(extra_files or {})
         self.frozen_base = frozen_base
-        self._options = StateDictOptions(ignore_frozen_params=frozen_base is not None)
-        # loading an adapter checkpoint leaves the frozen base as it is (its keys are absent by design)
-        self._load_options = StateDictOptions(ignore_frozen_params=frozen_base is not None, strict=frozen_base is None)
+        self._options = StateDictOptions(ignore_frozen_params=frozen_base is not None)  # async saves
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.state_access = state_access
         self.state_dict_type = state_dict_type
         self.save_total_limit = save_total_limit
         self.rank = dist.get_rank()
         self._init_async()
+
+    def states(self) -> TorchStates:
+        """Access to the current model and optimizer state (see `shardtrain.checkpoint.state_access`)."""
+        return self.state_access(self.model, self.optimizer, trainable_only=self.frozen_base is not None)
 
     # -- public API -----------------------------------------------------------------------------------
     def save(self, step: int, state: Any, *, model_only: bool = False) -> Path:
@@ -175,18 +175,18 @@ class CheckpointManager(AsyncSaveMixin):
         """Every rank writes its part of the checkpoint into `tmp` (collective)."""
         step = state.global_step
         with_optim = self.optimizer is not None and not model_only
+        states = self.states()
         if self.state_dict_type == "SHARDED_STATE_DICT":
-            payload: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
+            payload: dict[str, Any] = {"model": states.model_state()}
             if with_optim:
-                payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+                payload["optimizer"] = states.optimizer_state()
             dcp.save(payload, checkpoint_id=str(tmp / SHARDED_DIR))
         else:
-            full = full_model_state(self.model, trainable_only=self.frozen_base is not None)
+            full = states.full_model_state()
             self._all_ok(lambda: write_full_checkpoint(full, tmp, None) if self.rank == 0 else None, tmp, step)
             del full
             if with_optim:
-                dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
-                         checkpoint_id=str(tmp / OPTIMIZER_DIR))
+                dcp.save({"optimizer": states.optimizer_state()}, checkpoint_id=str(tmp / OPTIMIZER_DIR))
         fault_point("after_model", step)
         self._write_small_files(tmp, state, model_only)
 
@@ -345,7 +345,7 @@ class CheckpointManager(AsyncSaveMixin):
                 excess -= 1
 
     def _check_shapes(self, path: Path, kind: str) -> None:
-        expected = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model, options=self._options).items()}
+        expected = self.states().shapes()
         if kind == "SHARDED_STATE_DICT":
             try:
                 meta = read_dcp_metadata(path / SHARDED_DIR).state_dict_metadata
@@ -358,7 +358,7 @@ class CheckpointManager(AsyncSaveMixin):
                      if k.startswith("model.") and hasattr(v, "size")}
         else:
             saved = read_full_shapes(path)
-        tied = tied_aliases(self.model)
+        tied = self.states().tied_aliases()
         for key, shape in expected.items():
             got = saved.get(key, saved.get(tied.get(key, ""), None))
             if got is None:
@@ -372,24 +372,24 @@ class CheckpointManager(AsyncSaveMixin):
             raise CheckpointError(f"checkpoint {path} does not match the model: unexpected key {extra[0]!r}")
 
     def _load_sharded(self, path: Path, load_optim: bool) -> None:
-        payload: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
+        states = self.states()
+        payload: dict[str, Any] = {"model": states.model_state()}
         if load_optim:
-            payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            payload["optimizer"] = states.optimizer_state()
         dcp_load(payload, path / SHARDED_DIR)
-        set_model_state_dict(self.model, payload["model"], options=self._load_options)
+        states.load_model_state(payload["model"])
         if load_optim:
-            set_optimizer_state_dict(self.model, self.optimizer, payload["optimizer"])
+            states.load_optimizer_state(payload["optimizer"])
 
     def _load_full(self, path: Path, load_optim: bool) -> None:
+        states = self.states()
         full = read_full_checkpoint(path) if self.rank == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False,
-                                   ignore_frozen_params=self.frozen_base is not None)
-        set_model_state_dict(self.model, full, options=options)
+        states.load_full_model_state(full)
         del full
         if load_optim:
             if not (path / OPTIMIZER_DIR).is_dir():
                 raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "
                                       "a new run's weights but not resume one")
-            optim = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+            optim = {"optimizer": states.optimizer_state()}
             dcp_load(optim, path / OPTIMIZER_DIR)
-            set_optimizer_state_dict(self.model, self.optimizer, optim["optimizer"])
+            states.load_optimizer_state(optim["optimizer"])

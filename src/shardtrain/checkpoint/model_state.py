@@ -20,10 +20,38 @@ from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.checkpoint.layout import BASE_FILE
 
+# Prefixes that wrappers add to parameter names: activation checkpointing, torch.compile, torch_xla's SPMD
+# FSDP and its v1 wrapper. Checkpoints use the names without them.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_orig_module.", "_fsdp_wrapped_module.",
+                    "_fpw_module.")
+
+# name -> (get, set): RNG states beyond Python/NumPy/torch/CUDA that a backend registers (XLA's), saved in
+# every rng_state file (values torch.load(weights_only=True) reads)
+EXTRA_RNG: dict[str, tuple[Any, Any]] = {}
+
+
+def clean_name(name: str) -> str:
+    """`name` without wrapper prefixes (`WRAPPER_PREFIXES`)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+# torch_xla's FSDP wrappers (v1 and SPMD) and v1's parameter flattener: each holds the model as `.module`
+_WRAPPER_CLASSES = frozenset({"XlaFullyShardedDataParallel", "SpmdFullyShardedDataParallel", "XlaFlattenParamsWrapper"})
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside torch_xla's FSDP wrappers (the model itself otherwise)."""
+    while type(model).__name__ in _WRAPPER_CLASSES and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
 
 def model_class(model: nn.Module) -> type:
-    """The model's own class: `fully_shard` swaps the class for a generated `FSDP<Name>` subclass."""
-    cls = type(model)
+    """The model's own class: `fully_shard` swaps the class for a generated `FSDP<Name>` subclass, and
+    torch_xla's FSDP wraps the model."""
+    cls = type(unwrap(model))
     if issubclass(cls, FSDPModule):
         bases = [base for base in cls.__bases__ if base is not FSDPModule]
         if bases and cls.__name__ == f"FSDP{bases[0].__name__}":
@@ -71,6 +99,8 @@ def rng_state() -> dict[str, Any]:
            "numpy_has_gauss": int(np_has_gauss), "numpy_gauss": float(np_gauss), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
+    for name, (get, _) in EXTRA_RNG.items():
+        out[name] = get()
     return out
 
 
@@ -81,6 +111,9 @@ def set_rng_state(saved: dict[str, Any]) -> None:
     torch.set_rng_state(saved["torch"])
     if "cuda" in saved and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda"])
+    for name, (_, set_) in EXTRA_RNG.items():
+        if name in saved:
+            set_(saved[name])
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -88,7 +121,7 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     aliases = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        clean = name.replace("_checkpoint_wrapped_module.", "")
+        clean = clean_name(name)
         if id(param) in first:
             aliases[clean] = first[id(param)]
         else:

@@ -200,16 +200,12 @@ def apply_fsdp(
             the graphs); None: eager.
 
     Raises:
-        FSDPConfigError: bad wrap settings, or `xla` set without torch_xla.
+        FSDPConfigError: bad wrap settings.
     """
     if fsdp_config is not None and not isinstance(fsdp_config, FSDPConfig):
         raise TypeError(f"apply_fsdp takes an FSDPConfig, got {type(fsdp_config).__name__}; parse it first with "
                         "FSDPConfig.load(...)")
     config = fsdp_config or FSDPConfig()
-    if config.xla:
-        from shardtrain.parallel.xla import apply_xla_fsdp
-
-        return apply_xla_fsdp(model, config)
     if not dist.is_initialized():
         raise RuntimeError("apply_fsdp needs a process group: call shardtrain.init_distributed() first")
     if mesh is None:  # data parallel over every rank, as the config's sharding strategy says

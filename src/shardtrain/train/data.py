@@ -283,5 +283,8 @@ def forward_columns(model: torch.nn.Module) -> frozenset[str]:
     model, whose signature counts (as Hugging Face does)."""
     import inspect
 
+    from shardtrain.checkpoint.model_state import unwrap  # torch_xla's FSDP forwards *args, **kwargs
+
+    model = unwrap(model)
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     return frozenset(inspect.signature(base.forward).parameters) | frozenset(LABEL_KEYS)

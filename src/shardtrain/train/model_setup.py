@@ -10,13 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
-from shardtrain.parallel.expert import apply_ep, without_experts
-from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.loading import load_pretrained
-from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 from shardtrain.train.arguments import TrainingArgumentsError
 from shardtrain.train.lora import PeftError, add_adapters, is_peft_model
 from shardtrain.train.loss import is_causal_lm
@@ -56,31 +52,7 @@ class ModelSetupMixin:
         if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             kwargs = {"use_reentrant": False, **args.gradient_checkpointing_kwargs}
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if args.fsdp_enabled:
-            if isinstance(model, FSDPModule) and (args.torch_compile or self.dims.ep > 1):
-                raise TrainingArgumentsError(
-                    "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
-                    "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
-            if not isinstance(model, FSDPModule):
-                model.to(self.device)
-                if self.dims.tp > 1:  # torchtitan's order: tensor parallel, then checkpointing and FSDP
-                    plan = args.tp_plan if args.tp_plan is not None else model_tp_plan(model)
-                    apply_tp(model, self.meshes.tp, without_experts(model, plan) if self.dims.ep > 1 else plan,
-                             strict=args.tp_plan is not None)
-                if self.dims.ep > 1:
-                    apply_ep(model, self.meshes.ep, self.meshes.tp)
-                apply_fsdp(model, config, self.meshes.fsdp, mixed_precision=args.mixed_precision,
-                           expert_mesh=self.meshes.efsdp, expert_grad_divide_factor=self.dims.grad_average_size,
-                           compile_options=self._compile_options())
-            return model
-        model.to(self.device)
-        if args.torch_compile:  # no FSDP units: the whole model is one graph
-            model.compile(**self._compile_options())
-        if self.world_size > 1:
-            raise TrainingArgumentsError(
-                f"Trainer runs on {self.world_size} ranks but fsdp is off; set TrainingArguments(fsdp=True) "
-                "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
-        return model
+        return self.backend.parallelize(model, self)
 
     def _compile_options(self) -> dict[str, Any] | None:
         """`torch.compile` options from TrainingArguments (Hugging Face's names); None when compile is off."""
@@ -107,7 +79,7 @@ class ModelSetupMixin:
     def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:
         """A collated batch as the model gets it: on the device, with labels (`add_labels`: a causal LM batch
         without labels learns every token); split over `cp` under context parallelism."""
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        batch = self.backend.to_device(batch)
         if add_labels:
             batch = self.loss.with_labels(batch)
         if self.cp is None:

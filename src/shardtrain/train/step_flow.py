@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardtrain.checkpoint.manager import PREFIX
 from shardtrain.train.logging import memory_kind, peak_memory_mb
@@ -24,7 +23,7 @@ class StepFlowMixin:
                 (args.logging_strategy == "epoch" and at_epoch_end) or (args.logging_first_step and step == 1) or \
                 (stopping and window) or self.control.should_log:
             sums = torch.stack([s for s, _ in window])
-            dist.all_reduce(sums, group=self.meshes.loss.get_group())  # every token's loss once
+            self.backend.all_reduce(sums, group=self.meshes.loss.get_group())  # every token's loss once
             losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
             self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
             logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
@@ -47,9 +46,7 @@ class StepFlowMixin:
     def _throughput_and_memory(self) -> dict[str, Any]:
         """Tokens/s since train() started, and every rank's peak memory (one small all-gather per log)."""
         mine = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
-        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
-        per_rank = [round(float(t), 1) for t in every]
+        per_rank = [round(float(t), 1) for t in self.backend.all_gather(mine)]
         return {"tokens_per_second": round(self.logger.tokens_per_second, 1), "peak_memory_mb": max(per_rank),
                 "peak_memory_mb_per_rank": per_rank, "memory_kind": memory_kind()}
 

@@ -22,18 +22,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.errors import install_error_hook
+from shardtrain.parallel.backend import make_backend
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
 from shardtrain.train.data import (
@@ -102,14 +100,15 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self.args = args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
             os.environ[env.CPU] = env.true_word(True)
-        init_distributed(timeout_s=args.ddp_timeout)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = current_device()
+        self.backend = make_backend(args)  # FSDP2, or PyTorch/XLA with fsdp_config "xla": true
+        self.backend.setup()
+        self.rank, self.world_size, self.device = self.backend.rank, self.backend.world_size, self.backend.device
         self.dims = ParallelDims.resolve(
             world_size=self.world_size, fsdp_config=args.fsdp_config if args.fsdp_enabled else None,
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)),
             **{name.removesuffix("_size"): size for name, size in args.parallel_sizes.items()})
-        self.meshes = self.dims.build(self.device.type)
+        self.meshes = self.dims.build(self.backend.host_device_type)
+        self.backend.check(self)
         self.dp_rank = self.dims.rank_coords(self.rank)["batch"]  # which samples this rank sees
         self.cp = ContextParallel(self.meshes.cp, recompute=args.cp_regather_kv) if self.dims.cp > 1 else None
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
@@ -183,14 +182,17 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                                         scheduler=self.lr_scheduler,
                                         state_dict_type=self.args.fsdp_config.state_dict_type,
                                         save_total_limit=self.args.save_total_limit,
-                                        frozen_base=self._frozen_base, extra_files=adapter_files(self.model))
+                                        frozen_base=self._frozen_base, extra_files=adapter_files(self.model),
+                                        state_access=self.backend.state_access)
             self._checkpoint_manager = manager
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
 
     def _plan(self) -> BatchPlan:
         args = self.args
-        return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=args.per_device_train_batch_size,
+        # a process that feeds several devices (XLA SPMD) loads all their batches at once
+        per_process = args.per_device_train_batch_size * self.backend.devices_per_process
+        return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=per_process,
                          accumulation_steps=args.gradient_accumulation_steps, dp_size=self.dims.batch_size,
                          dp_rank=self.dp_rank, seed=args.seed if args.data_seed is None else args.data_seed)
 
@@ -328,7 +330,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         # 1 / (global batch in samples). The exact 1 / (global target tokens) is applied afterwards by
         # `normalize_and_clip_grads`, whose one all-reduce carries the token counts with the gradient norm.
         global_samples = max(self.state.global_batch_size, 1)
-        fsdp = isinstance(self.model, FSDPModule)
+        fsdp = self.backend.is_sharded(self.model)
         custom = self._custom_loss
         num_items = None
         # Hugging Face's compute_loss contract, and the router loss (added in token-sum units), need the global
@@ -336,7 +338,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         by_compute_loss = custom or self.router_loss.enabled
         if by_compute_loss:
             num_items = self.loss.local_counts(batches)[0].clone()
-            dist.all_reduce(num_items, group=self.meshes.loss.get_group())  # tp ranks share their tokens
+            self.backend.all_reduce(num_items, group=self.meshes.loss.get_group())  # tp ranks share their tokens
             num_items = num_items.to(torch.int64)
         self._micro_batches = len(batches)
         loss_sum = torch.zeros((), device=self.device)
@@ -365,11 +367,12 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                             "label is -100); make sure each batch has labels to learn from (longer samples, or "
                             "a larger batch)")
         self._fire("on_pre_optimizer_step")
-        self.optimizer.step()
+        self.backend.optimizer_step(self.optimizer)
         self._fire("on_optimizer_step")
         self._step_lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step used (what Hugging Face logs)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.backend.step_end()
         self.state.num_input_tokens_seen += input_tokens
         self.state.total_flos += 6.0 * self._flop_params() * input_tokens
         return loss_sum, tokens, grad_norm

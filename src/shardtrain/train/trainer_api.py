@@ -13,7 +13,7 @@ from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metr
 from transformers.trainer_utils import PredictionOutput, speed_metrics
 
 from shardtrain.checkpoint.full import write_full_checkpoint
-from shardtrain.checkpoint.model_state import full_model_state, model_config_dict
+from shardtrain.checkpoint.model_state import model_config_dict
 from shardtrain.errors import UserError
 from shardtrain.train.arguments import TrainingArgumentsError
 from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, passthrough
@@ -91,15 +91,16 @@ class TrainerAPIMixin:
                              check_samples=self._validate_samples, need_targets=False, device=self.device)
             self._validated.add(id(dataset))
         start = time.time()
-        loop = EvalLoop(self.model, self.loss, self.data_collator, self.args.per_device_eval_batch_size,
+        batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
+        loop = EvalLoop(self.model, self.loss, self.data_collator, batch_size,
                         self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
                         seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"), cp=self.cp,
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
                         loss_group=self.meshes.loss.get_group(),
                         generate=self._generate_batch if self.args.predict_with_generate else None,
-                        collects=self._collects_predictions)
+                        collects=self._collects_predictions, backend=self.backend)
         output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
-        steps = -(-len(dataset) // (self.args.per_device_eval_batch_size * self.dims.batch_size))
+        steps = -(-len(dataset) // (batch_size * self.dims.batch_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
@@ -165,7 +166,7 @@ class TrainerAPIMixin:
         out = Path(output_dir or self.args.output_dir)
         agree(writable_problem(out, "save_model directory") if self.rank == 0 else None, OutputDirError)
         adapters_only = is_peft_model(self.model) and not merge_adapters
-        state = full_model_state(self.model, trainable_only=adapters_only)
+        state = self.backend.full_model_state(self.model, trainable_only=adapters_only)
         problem = None
         if self.rank == 0:
             try:

@@ -1,0 +1,69 @@
+"""How a checkpoint reads and writes a model and its optimizer: the one part of `CheckpointManager` that depends
+on the backend. `TorchStates` serves FSDP2 (DTensor) and plain modules through
+`torch.distributed.checkpoint.state_dict`; the XLA backend has its own (`shardtrain.parallel.xla_state`).
+Both hand DCP the same layout: `{"model": {fqn: tensor}, "optimizer": {"state": {fqn: ...}, "param_groups": ...}}`
+with the model's own parameter names, so `merge`, `from_pretrained` and resume do not care which backend wrote it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from shardtrain.checkpoint.model_state import full_model_state, tied_aliases
+
+
+class TorchStates:
+    """Model and optimizer state through `torch.distributed.checkpoint.state_dict` (FSDP2, DTensor, plain).
+
+    Args:
+        model / optimizer: what is saved and loaded (optimizer may be None).
+        trainable_only: adapter training: only trainable parameters are saved, and loading leaves the frozen
+            base as it is (its keys are absent by design).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                 trainable_only: bool = False) -> None:
+        self.model, self.optimizer, self.trainable_only = model, optimizer, trainable_only
+        self._options = StateDictOptions(ignore_frozen_params=trainable_only)
+        self._load_options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's part of the model, keyed by parameter name (DTensors under FSDP2)."""
+        return get_model_state_dict(self.model, options=self._options)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_model_state(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state, options=self._load_options)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model on CPU on rank 0 (empty elsewhere); collective. A tied weight appears once."""
+        return full_model_state(self.model, trainable_only=self.trainable_only)
+
+    def load_full_model_state(self, full: dict[str, torch.Tensor]) -> None:
+        """Load the whole model given on rank 0 (empty elsewhere) into every rank's shards; collective."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False,
+                                   ignore_frozen_params=self.trainable_only)
+        set_model_state_dict(self.model, full, options=options)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The global shape of every saved model entry (what a checkpoint must match)."""
+        return {k: tuple(v.shape) for k, v in self.model_state().items()}
+
+    def tied_aliases(self) -> dict[str, str]:
+        """name -> the name a tied weight is saved under."""
+        return tied_aliases(self.model)

@@ -1,0 +1,133 @@
+"""The backend seam: what differs between FSDP2 (CPU/GPU, one process per device) and PyTorch/XLA (TPU).
+
+The Trainer calls a `TrainingBackend` for everything that is not the same on both: starting the processes and
+what rank / world size mean, wrapping the model, putting a batch on the device, collectives on host-visible
+values, the optimizer step and the end of a step, and how checkpoints read the state. `FSDP2Backend` is the
+default; `XlaBackend` (`shardtrain.parallel.xla`) is chosen by `fsdp_config` `"xla": true`.
+
+    backend = make_backend(args)        # before anything touches a device
+    backend.setup()                     # process group / XLA runtime; then backend.rank, world_size, device
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from shardtrain.checkpoint.state_access import TorchStates
+from shardtrain.parallel.distributed import current_device, init_distributed
+from shardtrain.parallel.expert import apply_ep, without_experts
+from shardtrain.parallel.fsdp import apply_fsdp
+from shardtrain.parallel.tensor import apply_tp, model_tp_plan
+
+
+class TrainingBackend:
+    """FSDP2 on torch.distributed: one process per device; the base class of every backend.
+
+    Attributes (after `setup`):
+        rank, world_size: this process and the number of processes.
+        device: where the model and batches live.
+        devices_per_process: how many devices one process feeds (its loader yields that many per-device
+            batches at once); 1 except under XLA SPMD.
+        state_access: the `TorchStates`-like class checkpoints use.
+    """
+
+    name = "fsdp2"
+    devices_per_process = 1
+    state_access: type = TorchStates
+    supports_async_save = True
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.rank, self.world_size, self.device = 0, 1, torch.device("cpu")
+
+    @property
+    def host_device_type(self) -> str:
+        """The device type of the process group for host-side agreement (meshes, barriers)."""
+        return self.device.type
+
+    def check(self, trainer: Any) -> None:
+        """Refuse settings this backend does not support (before the model is touched)."""
+
+    def setup(self) -> None:
+        init_distributed(timeout_s=self.args.ddp_timeout)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = current_device()
+
+    def parallelize(self, model: nn.Module, trainer: Any) -> nn.Module:
+        """Apply the parallel layout from outside, torchtitan's order: tensor parallel, expert parallel, then
+        activation checkpointing, compile and FSDP per unit (`apply_fsdp`). Uses `trainer`'s `args`, `dims`,
+        `meshes` and compile options. A model sharded before the Trainer (an `FSDPModule`) is kept as it is."""
+        from shardtrain.train.arguments import TrainingArgumentsError  # the train layer owns argument errors
+
+        args, dims, meshes = trainer.args, trainer.dims, trainer.meshes
+        compile_options = trainer._compile_options()
+        if not args.fsdp_enabled:
+            model.to(self.device)
+            if compile_options:  # no FSDP units: the whole model is one graph
+                model.compile(**compile_options)
+            if self.world_size > 1:
+                raise TrainingArgumentsError(
+                    f"Trainer runs on {self.world_size} ranks but fsdp is off; set TrainingArguments(fsdp=True) "
+                    "(FSDP2 with sharding_strategy 'no_shard' is plain data parallelism)")
+            return model
+        if isinstance(model, FSDPModule):
+            if compile_options or dims.ep > 1:
+                raise TrainingArgumentsError(
+                    "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
+                    "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
+            return model
+        model.to(self.device)
+        if dims.tp > 1:
+            plan = args.tp_plan if args.tp_plan is not None else model_tp_plan(model)
+            apply_tp(model, meshes.tp, without_experts(model, plan) if dims.ep > 1 else plan,
+                     strict=args.tp_plan is not None)
+        if dims.ep > 1:
+            apply_ep(model, meshes.ep, meshes.tp)
+        apply_fsdp(model, args.fsdp_config, meshes.fsdp, mixed_precision=args.mixed_precision,
+                   expert_mesh=meshes.efsdp, expert_grad_divide_factor=dims.grad_average_size,
+                   compile_options=compile_options)
+        return model
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
+        """Sum `tensor` over the processes of `group` in place."""
+        dist.all_reduce(tensor, group=group)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's `tensor`, in rank order."""
+        every = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(every, tensor)
+        return every
+
+    def is_sharded(self, model: nn.Module) -> bool:
+        """Whether gradients are averaged over the data-parallel ranks by the wrapper (FSDP2)."""
+        return isinstance(model, FSDPModule)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def step_end(self) -> None:
+        """After the optimizer step and zero_grad (XLA: run the step's graph)."""
+
+    def full_model_state(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model on CPU on rank 0 (empty elsewhere); collective."""
+        return self.state_access(model, None, trainable_only=trainable_only).full_model_state()
+
+
+FSDP2Backend = TrainingBackend
+
+
+def make_backend(args: Any) -> TrainingBackend:
+    """The backend `args` ask for: XLA when fsdp is on and `fsdp_config` sets `"xla": true`, else FSDP2."""
+    if args.fsdp_enabled and args.fsdp_config.xla:
+        from shardtrain.parallel.xla import XlaBackend
+
+        return XlaBackend(args)
+    return TrainingBackend(args)
