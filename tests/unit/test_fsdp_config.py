@@ -99,10 +99,41 @@ def test_fsdp1_only_keys_warn_and_are_ignored():
     assert config == FSDPConfig()
 
 
-def test_xla_without_torch_xla_is_a_clear_error():
-    import torch
+def test_xla_without_torch_xla_is_a_clear_error(tmp_path):
+    from shardtrain import TrainingArguments
+    from shardtrain.parallel.backend import make_backend
 
-    from shardtrain import apply_fsdp
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True})
+    backend = make_backend(args)
+    assert backend.name == "xla"
+    with pytest.raises(FSDPConfigError, match="torch_xla is not installed.*setup_xla.sh"):
+        backend.setup()
 
-    with pytest.raises(FSDPConfigError, match="torch_xla is not installed"):
-        apply_fsdp(torch.nn.Linear(2, 2), FSDPConfig.load({"xla": True, "xla_fsdp_grad_ckpt": True}))
+
+def test_fsdp_config_as_json_text_as_hugging_face_takes_it():
+    assert FSDPConfig.load('{"xla": true, "xla_fsdp_v2": true}') == FSDPConfig.load({"xla": True, "xla_fsdp_v2": True})
+    with pytest.raises(FSDPConfigError, match="not valid JSON"):
+        FSDPConfig.load('{"xla": tru}')
+
+
+@pytest.mark.parametrize(("settings", "v2", "expected"), [
+    ({"compute_dtype": "bfloat16", "buffer_dtype": "torch.float32", "flatten_parameters": True}, False,
+     {"compute_dtype": "torch.bfloat16", "buffer_dtype": "torch.float32", "flatten_parameters": "True"}),
+    ({"extra_data_axis": "data"}, True, {"extra_data_axis": "data"}),
+])
+def test_xla_settings_are_converted_for_the_wrapper(settings, v2, expected):
+    from shardtrain.parallel.xla import xla_settings
+
+    config = FSDPConfig.load({"xla": True, "xla_fsdp_v2": v2, "xla_fsdp_settings": settings})
+    assert {k: str(v) for k, v in xla_settings(config).items()} == expected
+
+
+@pytest.mark.parametrize(("settings", "v2", "message"), [
+    ({"compute_dtype": "bfloat17"}, False, "'compute_dtype' got 'bfloat17', which is not a torch dtype"),
+    ({"flatten_parameters": True}, True, r"\['flatten_parameters'\], which SPMD FSDPv2"),
+])
+def test_bad_xla_settings_name_the_key(settings, v2, message):
+    from shardtrain.parallel.xla import xla_settings
+
+    with pytest.raises(FSDPConfigError, match=message):
+        xla_settings(FSDPConfig.load({"xla": True, "xla_fsdp_v2": v2, "xla_fsdp_settings": settings}))

@@ -76,7 +76,7 @@ def describe(model: torch.nn.Module) -> dict:
     """What the XLA wrapping did: wrapper classes by module name, checkpointed modules, wrapper settings."""
     wrappers = {name: type(m).__name__ for name, m in model.named_modules()
                 if type(m).__name__ in ("XlaFullyShardedDataParallel", "SpmdFullyShardedDataParallel")}
-    checkpointed = [name for name, m in model.named_modules() if hasattr(m, "_xla_checkpointed_forward_original")]
+    checkpointed = [name for name, m in model.named_modules() if "_xla_checkpointed_forward_original" in vars(m)]
     settings = {k: str(getattr(model, k)) for k in ("compute_dtype", "flatten_parameters", "reshard_after_forward")
                 if hasattr(model, k) and type(model).__name__ == "XlaFullyShardedDataParallel"}
     return {"wrappers": wrappers, "checkpointed": checkpointed, "settings": settings}

@@ -127,7 +127,8 @@ class FSDPConfig:
 
     @classmethod
     def load(cls, source: FSDPConfig | dict[str, Any] | str | os.PathLike | None) -> FSDPConfig:
-        """Parse a dict, a JSON file path, or return a copy of an `FSDPConfig`.
+        """Parse a dict, a JSON file path, a JSON object as text (what Hugging Face accepts on the command line,
+        e.g. `--fsdp_config '{"xla": true}'`), or return a copy of an `FSDPConfig`.
 
         Raises:
             FSDPConfigError: unknown key (with the closest valid one), wrong type or value, or contradiction.
@@ -136,6 +137,11 @@ class FSDPConfig:
             return cls()
         if isinstance(source, FSDPConfig):
             return dataclasses.replace(source)
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            try:
+                source = json.loads(source)
+            except json.JSONDecodeError as err:
+                raise FSDPConfigError(f"fsdp_config {source!r} is not valid JSON: {err}") from err
         if isinstance(source, str | os.PathLike):
             path = Path(source)
             if not path.is_file():
@@ -146,7 +152,8 @@ class FSDPConfig:
             except json.JSONDecodeError as err:
                 raise FSDPConfigError(f"fsdp_config file {str(path)!r} is not valid JSON: {err}") from err
         if not isinstance(source, dict):
-            raise FSDPConfigError(f"fsdp_config must be a dict or a JSON file path, got {type(source).__name__}")
+            raise FSDPConfigError(f"fsdp_config must be a dict, JSON text or a JSON file path, got "
+                                  f"{type(source).__name__}")
         return cls._from_dict(source)
 
     @classmethod

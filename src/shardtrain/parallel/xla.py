@@ -165,6 +165,11 @@ class XlaBackend(TrainingBackend):
         else:
             from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as Wrap
 
+        config = getattr(model, "config", None)
+        if self.config.xla_fsdp_grad_ckpt and getattr(config, "use_cache", False):
+            # a recomputed layer would append its keys and values to the forward's KV cache a second time
+            # (transformers' own checkpointing turns the cache off the same way)
+            config.use_cache = False
         policy = partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in units) if units else None
         wrapper = (lambda m, *a, **k: Wrap(checkpoint_module(m), *a, **k)) if self.config.xla_fsdp_grad_ckpt \
             else None

@@ -108,21 +108,7 @@ class XlaStates:
             "state": {index[name]: dict(entry) for name, entry in saved["state"].items()},
             "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in saved["param_groups"]],
         }
-        self.optimizer.load_state_dict(torch_format)  # moves each entry to its parameter's device
-        if not self.v1:
-            self._shard_like_params()
-
-    def _shard_like_params(self) -> None:
-        """Optimizer entries shaped like their parameter take its sharding (else they would be replicated)."""
-        import torch_xla
-        import torch_xla.distributed.spmd as xs
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
-
-        mesh = xs.get_global_mesh()
-        for param, entry in self.optimizer.state.items():
-            if not torch_xla._XLAC._get_xla_sharding_spec(param):
-                continue
-            spec = _prepare_spmd_partition_spec(param, shard_maximal=True)
-            for value in entry.values():
-                if isinstance(value, torch.Tensor) and value.shape == param.shape and value.device == param.device:
-                    xs.mark_sharding(value, mesh, spec)
+        # moves each entry to its parameter's device; no sharding annotation of ours: the entries then take
+        # the layout the compiler gives them in an uninterrupted run, and the resumed run is bit-identical
+        # (annotating them like their parameters changed the partitioned step's rounding)
+        self.optimizer.load_state_dict(torch_format)
