@@ -100,6 +100,10 @@ class TrainingBackend:
         """Sum `tensor` over the processes of `group` in place."""
         dist.all_reduce(tensor, group=group)
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Rank `src`'s `tensor` on every process, in place."""
+        dist.broadcast(tensor, src=src)
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every process's `tensor`, in rank order."""
         every = [torch.zeros_like(tensor) for _ in range(self.world_size)]

@@ -188,6 +188,9 @@ class XlaBackend(TrainingBackend):
     def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
         """One process holds every device's values (SPMD) or the only device (v1): nothing to add."""
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """One process: its value is everyone's."""
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]
 

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, CheckpointManager
@@ -34,8 +33,9 @@ class PreflightMixin:
             return None
         if resume is True or resume == "auto":
             chosen, warnings = CheckpointManager.resumable(self.args.output_dir) if self.rank == 0 else (None, [])
-            step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64)
-            dist.broadcast(step.to(self.device), src=0)
+            step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64,
+                                device=self.device)  # (broadcasting a copy would leave the other ranks at -1)
+            self.backend.broadcast(step, src=0)
             for line in warnings:
                 if self.rank == 0:
                     print(f"warning: {line}", flush=True)
