@@ -50,8 +50,9 @@ class TrainingBackend:
         """The device type of the process group for host-side agreement (meshes, barriers)."""
         return self.device.type
 
-    def check(self, trainer: Any) -> None:
-        """Refuse settings this backend does not support (before the model is touched)."""
+    def check(self, trainer: Any, model: Any) -> None:
+        """Refuse settings (and a `model`: a module, a path or None) this backend does not support, before the
+        model is touched."""
 
     def setup(self) -> None:
         init_distributed(timeout_s=self.args.ddp_timeout)

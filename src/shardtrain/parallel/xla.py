@@ -123,8 +123,11 @@ class XlaBackend(TrainingBackend):
             self.mesh = xs.Mesh(np.arange(count), (count, 1), ("fsdp", "tensor"))
             xs.set_global_mesh(self.mesh)
 
-    def check(self, trainer: Any) -> None:
+    def check(self, trainer: Any, model: Any) -> None:
         """Refuse what the XLA path does not do, naming the setting and the fix (before the model is touched)."""
+        if isinstance(model, str | os.PathLike):
+            raise FSDPConfigError("fsdp_config 'xla': true needs a model object: load it first (e.g. "
+                                  "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
         args, dims = trainer.args, trainer.dims
         problems = [f"{name} = {size}" for name, size in (("tp_size", dims.tp), ("cp_size", dims.cp),
                                                          ("ep_size", dims.ep)) if size > 1]
@@ -143,9 +146,6 @@ class XlaBackend(TrainingBackend):
                                   "or set 'xla': false to train with FSDP2")
 
     def parallelize(self, model: nn.Module, trainer: Any) -> nn.Module:
-        if isinstance(model, str | os.PathLike):
-            raise FSDPConfigError("fsdp_config 'xla': true needs a model object: load it first (e.g. "
-                                  "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
         if trainer._frozen_base is not None:
             raise FSDPConfigError("fsdp_config 'xla': true with LoRA adapters is not supported yet; train "
                                   "adapters with FSDP2 ('xla': false)")

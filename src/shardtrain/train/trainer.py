@@ -108,7 +108,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)),
             **{name.removesuffix("_size"): size for name, size in args.parallel_sizes.items()})
         self.meshes = self.dims.build(self.backend.host_device_type)
-        self.backend.check(self)
+        self.backend.check(self, model)
         self.dp_rank = self.dims.rank_coords(self.rank)["batch"]  # which samples this rank sees
         self.cp = ContextParallel(self.meshes.cp, recompute=args.cp_regather_kv) if self.dims.cp > 1 else None
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
