@@ -144,3 +144,25 @@ def test_step_flops_and_collectives():
     assert four["reduce_scatter_base"] == one["reduce_scatter_base"]  # once per step
     units = sum(size for _, size in results[1].trace.units)
     assert one["reduce_scatter_base"] == units  # every gradient, fp32, once
+
+
+def test_step_time_counts_the_replicas_all_reduce_and_calibrates_on_the_step_gemm():
+    """no_shard (2 replicas): the gradient all-reduce is sent over the wire ((r-1)/r x 2 of its bytes); the compute
+    rate is calibrated on the step's dominant matmul shape (here the rate is given, the shape still recorded)."""
+    replicated = plan(tiny_config(), fsdp_config={**LAYERS, "sharding_strategy": "NO_SHARD"}, world_size=2,
+                      per_device_batch=2, seq_len=16, target="cpu", what_if=False, tflops=1.0, link_gbps=1.0)
+    step = replicated.step
+    assert replicated.trace.replicate_size == 2 and replicated.trace.fsdp_shard_size == 1
+    assert step["wire_bytes"] == step["collective_bytes"]["allreduce"]  # 2 x (2-1)/2
+    assert step["comm_s"] == pytest.approx(step["wire_bytes"] / 1e9)
+    m, k, n = replicated.trace.gemm
+    assert m == 2 * 16 and k * n > 0
+
+
+def test_measured_compute_rate_names_its_shape_and_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = plan(tiny_config(), fsdp_config=LAYERS, world_size=2, per_device_batch=2, seq_len=16, target="cpu",
+                  what_if=False, link_gbps=1.0)
+    source = result.step["flops_rate_source"]
+    m, k, n = result.trace.gemm
+    assert f"{m}x{k} @ {k}x{n} matmul" in source and "1 thread(s)" in source and result.step["flops_rate"] > 0

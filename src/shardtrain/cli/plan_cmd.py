@@ -34,7 +34,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         "plan", allow_abbrev=False,
         help="predict per-rank memory (and whether it fits) and step time of a training run; nothing is downloaded")
     plan.add_argument("model", help="a transformers config.json, or a model directory that holds one")
-    plan.add_argument("--fsdp-config", help="fsdp_config JSON file (the Trainer's keys)")
+    plan.add_argument("--fsdp-config", help="fsdp_config JSON file or JSON text (the Trainer's keys)")
     plan.add_argument("--world-size", type=int, help="ranks (default: the product of the sizes given, else 1)")
     plan.add_argument("--dp-shard", type=int, help="ranks that shard the model (default: the rest)")
     plan.add_argument("--dp-replicate", type=int, help="replicas of the shard groups (HSDP)")

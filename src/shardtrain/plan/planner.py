@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardtrain.config.fsdp_config import FSDPConfig
@@ -65,8 +66,9 @@ def _fsdp_config(fsdp_config: dict | str | os.PathLike | FSDPConfig | None, over
     if isinstance(fsdp_config, FSDPConfig):
         return dataclasses.replace(fsdp_config, **given)
     if isinstance(fsdp_config, str | os.PathLike):
-        FSDPConfig.load(fsdp_config)  # the file's own errors first, with its path
-        fsdp_config = json.loads(Path(fsdp_config).read_text())
+        FSDPConfig.load(fsdp_config)  # the file's (or text's) own errors first, with its path
+        text = str(fsdp_config)
+        fsdp_config = json.loads(text if text.lstrip().startswith("{") else Path(fsdp_config).read_text())
     if fsdp_config is not None and not isinstance(fsdp_config, dict):
         return FSDPConfig.load(fsdp_config)  # raises the Trainer's error for the wrong type
     return FSDPConfig.load({**(fsdp_config or {}), **given})
@@ -159,5 +161,9 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     if estimate_step_time:
         from shardtrain.plan.step_time import Rates, step_time
 
-        result.step = step_time(trace, Rates.resolve(tflops, link_gbps))
+        threads = None
+        if target == "cpu":  # the threads one rank trains with: launchers give each of several ranks one
+            threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (1 if dims.world_size > 1 else None)
+        device = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
+        result.step = step_time(trace, Rates.resolve(tflops, link_gbps, device, gemm=trace.gemm, threads=threads))
     return result

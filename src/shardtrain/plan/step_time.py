@@ -28,15 +28,24 @@ def _timed(fn, min_seconds: float = 0.2) -> float:  # noqa: ANN001
     return (time.perf_counter() - start) / runs
 
 
-def measure_flops_rate(device: str = "cpu", n: int = 512) -> float:
-    """FLOP/s of an fp32 n x n matmul on `device` (the calibration of the compute rate)."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def measure_flops_rate(device: str = "cpu", gemm: tuple[int, int, int] = (512, 512, 512),
+                       threads: int | None = None) -> float:
+    """FLOP/s of an fp32 (m x k) @ (k x n) matmul on `device` with `threads` CPU threads (the calibration of the
+    compute rate: the step's own dominant matmul shape, on the threads one rank gets)."""
+    m, k, n = gemm
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    before = torch.get_num_threads()
 
     def run() -> None:
         torch.mm(a, b)
         if device == "cuda":
             torch.cuda.synchronize()
-    return 2 * n**3 / _timed(run)
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        return 2 * m * k * n / _timed(run)
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_copy_rate(device: str = "cpu", nbytes: int = 64 * 2**20) -> float:
@@ -61,8 +70,10 @@ class Rates:
     link_source: str
 
     @classmethod
-    def resolve(cls, tflops: float | None = None, link_gbps: float | None = None, device: str = "cpu") -> Rates:
-        """Given rates win; a missing one is measured here on `device`.
+    def resolve(cls, tflops: float | None = None, link_gbps: float | None = None, device: str = "cpu",
+                gemm: tuple[int, int, int] | None = None, threads: int | None = None) -> Rates:
+        """Given rates win; a missing one is measured here on `device` (the compute rate on the `gemm` shape
+        with `threads` CPU threads).
 
         Raises:
             PlanError: a given rate <= 0.
@@ -73,7 +84,10 @@ class Rates:
         if tflops is not None:
             flops, flops_source = tflops * 1e12, "given (--tflops)"
         else:
-            flops, flops_source = measure_flops_rate(device), f"measured here: fp32 matmul on {device}"
+            shape = gemm or (512, 512, 512)
+            flops = measure_flops_rate(device, shape, threads)
+            flops_source = (f"measured here: fp32 {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]} matmul (the step's "
+                            f"largest by FLOPs) on {device}" + (f", {threads} thread(s)" if threads else ""))
         if link_gbps is not None:
             link, link_source = link_gbps * 1e9, "given (--link-gbps)"
         else:
@@ -83,14 +97,15 @@ class Rates:
 
 
 def wire_bytes(trace: StepTrace) -> int:
-    """Bytes one rank sends per step with ring collectives over its FSDP group of n ranks: (n-1)/n of each
-    all-gather output and reduce-scatter input, 2(n-1)/n of each all-reduce."""
-    n = trace.fsdp_shard_size
-    if n <= 1:
-        return 0
+    """Bytes one rank sends per step with ring collectives: (n-1)/n of each all-gather output and reduce-scatter
+    input over its FSDP shard group of n ranks, 2(r-1)/r of each all-reduce over its r replicas (HSDP, no_shard;
+    with no replicas, the small all-reduces of the shard group)."""
     total = 0.0
     for name, size in trace.collective_bytes.items():
-        total += size * (n - 1) / n * (2 if "allreduce" in name else 1)
+        n = (trace.replicate_size if trace.replicate_size > 1 else trace.fsdp_shard_size) if "allreduce" in name \
+            else trace.fsdp_shard_size
+        if n > 1:
+            total += size * (n - 1) / n * (2 if "allreduce" in name else 1)
     return int(total)
 
 

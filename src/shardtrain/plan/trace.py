@@ -73,6 +73,8 @@ class StepTrace:
     flops: int
     collective_bytes: dict[str, int] = field(default_factory=dict)
     fsdp_shard_size: int = 1
+    replicate_size: int = 1  # HSDP / no_shard: the ranks a gradient all-reduce spans
+    gemm: tuple[int, int, int] | None = None  # (m, k, n) of the matmul shape that carries the most FLOPs
 
 
 class _CollectiveCounter(TorchDispatchMode):
@@ -81,11 +83,16 @@ class _CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes: dict[str, int] = {}
+        self.gemm_flops: dict[tuple[int, int, int], int] = {}  # (m, k, n) -> FLOPs of the matmuls of that shape
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if any(t is DTensor for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2], args[-1]
+            shape = (int(a.shape[0]), int(a.shape[1]), int(b.shape[1]))
+            self.gemm_flops[shape] = self.gemm_flops.get(shape, 0) + 2 * shape[0] * shape[1] * shape[2]
         if func.namespace in ("c10d", "_c10d_functional"):
             name = func.__name__.split(".")[0].strip("_")
             tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -377,4 +384,5 @@ def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup
         state={"parameters": params, "gradients": grads, "optimizer_state": opt},
         units=_units(model, dtype), layer_activations=probe.layers, logits=probe.logits,
         loss_buffers=probe.loss_buffers, flops=int(flops.get_total_flops() * scale),
-        collective_bytes=collectives, fsdp_shard_size=fsdp_mesh)
+        collective_bytes=collectives, fsdp_shard_size=fsdp_mesh, replicate_size=setup.dims.dp_replicate,
+        gemm=max(counter.gemm_flops, key=counter.gemm_flops.get) if counter.gemm_flops else None)
