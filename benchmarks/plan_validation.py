@@ -51,9 +51,12 @@ CONFIGS: list[dict] = [
     {"name": "tiny N2 GA2", "size": "tiny", "nproc": 2, "fsdp": {}, "accum": 2},
     {"name": "tiny N4", "size": "tiny", "nproc": 4, "fsdp": {}},
     {"name": "tiny N4 cp2", "size": "tiny", "nproc": 4, "fsdp": {}, "cp": 2},
+    {"name": "50m N2 LoRA r8", "size": "50m", "nproc": 2, "fsdp": {}, "lora": 8},
+    {"name": "tiny N2 LoRA r8", "size": "tiny", "nproc": 2, "fsdp": {}, "lora": 8},
 ]
 # The pytest subset: the tiny Llama on 2 ranks, in one launch.
-SUBSETS = {"tiny": [c["name"] for c in CONFIGS if c["size"] == "tiny" and c["nproc"] == 2]}
+SUBSETS = {"tiny": [c["name"] for c in CONFIGS if c["size"] == "tiny" and c["nproc"] == 2],
+           "lora": [c["name"] for c in CONFIGS if c.get("lora")]}
 
 
 def _count_all_threads() -> None:
@@ -120,7 +123,14 @@ def worker(jobs_path: str, out_path: str) -> None:
                                      save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10**9,
                                      bf16=job.get("bf16", False), cp_size=job.get("cp", 1), seed=0,
                                      gradient_accumulation_steps=job.get("accum", 1))
-            trainer = Trainer(model=build_model(spec), args=args, train_dataset=samples, callbacks=[Marker()])
+            peft_config = None
+            if job.get("lora"):  # what the planner adds (plan.trace.with_adapters)
+                from peft import LoraConfig
+
+                peft_config = LoraConfig(r=job["lora"], lora_alpha=2 * job["lora"], target_modules="all-linear",
+                                         task_type="CAUSAL_LM")
+            trainer = Trainer(model=build_model(spec), args=args, train_dataset=samples, callbacks=[Marker()],
+                              peft_config=peft_config)
             trainer.train()
             del trainer
             gc.collect()
@@ -164,7 +174,7 @@ def predict(config: dict) -> dict:
                   world_size=config["nproc"], cp=config.get("cp", 1), per_device_batch=spec.per_device_batch,
                   seq_len=spec.seq_len, gradient_accumulation_steps=config.get("accum", 1),
                   bf16=config.get("bf16", False), target="cpu", estimate_step_time=False,
-                  what_if=False)
+                  what_if=False, lora_rank=config.get("lora", 0))
     return {"peak": result.peak, "breakdown": {k: v for k, v in result.trace.peak_breakdown.items() if k != "Total"}}
 
 
@@ -184,7 +194,7 @@ def run(names: list[str]) -> dict:
         error = 100.0 * (pred["peak"] - got) / got
         rows.append({"name": config["name"], "size": config["size"], "ranks": config["nproc"],
                      "fsdp_config": config["fsdp"], "bf16": config.get("bf16", False), "cp": config.get("cp", 1),
-                     "gradient_accumulation_steps": config.get("accum", 1),
+                     "gradient_accumulation_steps": config.get("accum", 1), "lora_rank": config.get("lora", 0),
                      "predicted_peak_bytes": pred["peak"], "measured_peak_bytes": got,
                      "predicted_peak_mib": round(pred["peak"] / 2**20, 2), "measured_peak_mib": round(got / 2**20, 2),
                      "error_pct": round(error, 2), "within_tolerance": abs(error) <= 15.0,

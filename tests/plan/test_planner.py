@@ -166,3 +166,20 @@ def test_measured_compute_rate_names_its_shape_and_threads(monkeypatch):
     source = result.step["flops_rate_source"]
     m, k, n = result.trace.gemm
     assert f"{m}x{k} @ {k}x{n} matmul" in source and "1 thread(s)" in source and result.step["flops_rate"] > 0
+
+
+def test_lora_trains_the_adapters_only():
+    """The adapters are added on the meta model as the Trainer adds them: every linear layer but the head gets an
+    (r x in) A and (out x r) B; gradients and AdamW state exist for those alone (sharded over 2 ranks)."""
+    full = quick(world_size=2)
+    lora = quick(world_size=2, lora_rank=4)
+    config = tiny_config()
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    # q, k, v, o, gate, up, down: r x (in + out) each
+    adapter = 4 * ((h + h) + (h + kv) * 2 + (h + h) + (h + i) * 2 + (i + h)) * layers
+    assert lora.trace.state["gradients"] == adapter * 4 // 2  # fp32, half on rank 0
+    # exp_avg + exp_avg_sq of the adapters' shards, and AdamW's 4-byte step per adapter tensor (7 x A, B per layer)
+    assert lora.trace.state["optimizer_state"] == 2 * lora.trace.state["gradients"] + 4 * 7 * 2 * layers
+    assert lora.trace.state["parameters"] > full.trace.state["parameters"]  # the base stays, plus the adapters
+    assert lora.peak < full.peak

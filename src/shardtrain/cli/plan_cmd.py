@@ -49,7 +49,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     _bool_flag(plan, "cpu-offload", "override fsdp_config cpu_offload")
     _bool_flag(plan, "reshard-after-forward", "override fsdp_config reshard_after_forward")
     plan.add_argument("--optimizer", default="adamw_torch_fused", help="adamw_torch_fused (default) or adamw_torch")
-    plan.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (not modelled yet: 0)")
+    plan.add_argument("--lora-rank", type=int, default=0, help="LoRA rank: adapters on every linear but the head")
     plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: does it fit, and what would")
     plan.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
                       help="training device kind (cpu: offloaded state counts too)")

@@ -1,9 +1,12 @@
 """Where the planner's model comes from: a transformers `config.json`, a model directory, a config object or a
-live `nn.Module`; each becomes a builder that makes the model under a `FakeTensorMode` (no weights, no memory).
+live `nn.Module`; each becomes a builder that makes the model on the meta device (no weights, no memory), which
+`to_fake` turns into fake CPU tensors for the traced step. Adapters (LoRA) are added in between: peft cannot add
+them to a model of fake tensors (its device move swaps parameters, which fake tensors refuse).
 
     build = model_builder("path/to/config.json")     # or a model directory, a PretrainedConfig, an nn.Module
-    with FakeTensorMode():
-        model = build()
+    model = build()                                  # meta tensors
+    with FakeTensorMode() as mode:
+        model = to_fake(model, mode)
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardtrain.errors import UserError
 
@@ -56,33 +59,56 @@ def _from_config(config: Any) -> Callable[[], nn.Module]:
             config.use_cache = False  # training: the Trainer never fills a KV cache
         # fp32 whatever the config's dtype says: the Trainer loads a model path in fp32 (parallel/loading.py);
         # bf16 is mixed precision on top
-        try:
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        except ValueError:  # not a causal LM (e.g. an encoder): its base class, as in the config
-            from transformers import AutoModel
+        with torch.device("meta"):
+            try:
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            except ValueError:  # not a causal LM (e.g. an encoder): its base class, as in the config
+                from transformers import AutoModel
 
-            return AutoModel.from_config(config, dtype=torch.float32)
+                return AutoModel.from_config(config, dtype=torch.float32)
     return build
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
 def _from_module(module: nn.Module) -> Callable[[], nn.Module]:
-    """A deep copy whose parameters and buffers are fake tensors of the same shapes, dtypes and sharing."""
+    """A deep copy whose parameters and buffers are meta tensors of the same shapes, dtypes and sharing."""
 
     def build() -> nn.Module:
-        mode = torch._guards.active_fake_mode()
-        if not isinstance(mode, FakeTensorMode):
-            raise RuntimeError("build() runs under the planner's FakeTensorMode")
         memo: dict[int, Any] = {}
-        with unset_fake_temporarily():  # the real tensors are only read for their metadata
-            real = {id(t): t.detach() for t in [*module.parameters(), *module.buffers()]}
         for param in module.parameters():
-            if id(param) not in memo:  # tied parameters stay tied: one fake tensor per real one
-                memo[id(param)] = nn.Parameter(mode.from_tensor(real[id(param)]), requires_grad=param.requires_grad)
+            if id(param) not in memo:  # tied parameters stay tied: one meta tensor per real one
+                memo[id(param)] = nn.Parameter(_meta_like(param), requires_grad=param.requires_grad)
         for buffer in module.buffers():
             if id(buffer) not in memo:
-                memo[id(buffer)] = mode.from_tensor(real[id(buffer)])
+                memo[id(buffer)] = _meta_like(buffer)
         return copy.deepcopy(module, memo)
     return build
+
+
+def to_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """`model` (meta tensors) with every parameter and buffer replaced, in place, by a fake CPU tensor of the
+    same shape, dtype and `requires_grad`; tied ones stay tied."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            with mode:
+                new = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+            made[id(tensor)] = nn.Parameter(new, requires_grad=tensor.requires_grad) \
+                if isinstance(tensor, nn.Parameter) else new
+        return made[id(tensor)]
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = fake(param)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = fake(buffer)
+    return model
 
 
 def model_builder(model: str | os.PathLike | nn.Module | Any) -> tuple[Callable[[], nn.Module], str]:

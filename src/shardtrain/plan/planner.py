@@ -116,8 +116,9 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise PlanError(f"lora_rank = {lora_rank!r} must be an int >= 0 (0: no LoRA)")
     if lora_rank:
-        raise PlanError(f"lora_rank = {lora_rank}: the planner does not model LoRA yet (peft cannot build its adapters "
-                        "on fake tensors); plan the full model, or measure with benchmarks/lora_memory.py")
+        from shardtrain.train.lora import require_peft
+
+        require_peft()  # a clear error when peft is missing
     if tp != 1:
         raise PlanError(f"tp = {tp}: the planner does not model tensor parallelism yet (its sharding plan needs real "
                         "tensors); plan with tp = 1")

@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.plan.model_source import PlanError
+from shardtrain.plan.model_source import PlanError, to_fake
 
 # FSDPMemTracker's categories (its _FSDPRefType values), grouped into the rows of the report
 STATE_PARAM, STATE_GRAD, STATE_OPT = ("Sharded Param", "Buffer"), ("Sharded Grad",), ("OptState",)
@@ -192,18 +192,24 @@ def _batch(setup: StepSetup, vocab: int, cp: Any) -> dict[str, Any]:
     return batch
 
 
+def with_adapters(model: nn.Module, lora_rank: int) -> nn.Module:
+    """LoRA adapters of rank `lora_rank` on every linear layer but the output head (peft's "all-linear"), added to
+    the meta-device model as the Trainer adds them (`add_adapters`); 0: the model as it is."""
+    if not lora_rank:
+        return model
+    from peft import LoraConfig
+
+    from shardtrain.train.lora import add_adapters
+
+    return add_adapters(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear",
+                                          task_type="CAUSAL_LM"))
+
+
 def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module, Any]:
-    """LoRA -> context parallel -> tensor parallel -> FSDP, in the Trainer's order (train/model_setup.py).
-    (`plan` refuses LoRA and tp > 1 for now: peft and the tp plan cannot be built on fake tensors.)"""
+    """(LoRA is added before: `with_adapters`) context parallel -> tensor parallel -> FSDP, in the Trainer's order
+    (train/model_setup.py). (`plan` refuses tp > 1 for now: the tp plan cannot be built on fake tensors.)"""
     from shardtrain.parallel.fsdp import apply_fsdp
 
-    if setup.lora_rank:
-        from peft import LoraConfig
-
-        from shardtrain.train.lora import add_adapters
-
-        model = add_adapters(model, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
-                                               target_modules="all-linear", task_type="CAUSAL_LM"))
     cp = None
     if setup.dims.cp > 1:
         from shardtrain.parallel.context import ContextParallel
@@ -306,8 +312,9 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     dist.init_process_group("fake", rank=0, world_size=setup.dims.world_size, store=FakeStore())
     try:
         meshes = setup.dims.build("cpu")
-        with FakeTensorMode():
-            model, cp = _prepare(build(), setup, meshes)
+        meta_model = with_adapters(build(), setup.lora_rank)
+        with FakeTensorMode() as mode:
+            model, cp = _prepare(to_fake(meta_model, mode), setup, meshes)
             args = SimpleNamespace(weight_decay=0.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_epsilon=1e-8, optim=setup.optimizer)
             optimizer = build_optimizer(model, args)
