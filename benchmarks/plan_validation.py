@@ -51,12 +51,14 @@ CONFIGS: list[dict] = [
     {"name": "tiny N2 GA2", "size": "tiny", "nproc": 2, "fsdp": {}, "accum": 2},
     {"name": "tiny N4", "size": "tiny", "nproc": 4, "fsdp": {}},
     {"name": "tiny N4 cp2", "size": "tiny", "nproc": 4, "fsdp": {}, "cp": 2},
+    {"name": "50m N4 tp2", "size": "50m", "nproc": 4, "fsdp": {}, "tp": 2},
+    {"name": "tiny N4 tp2", "size": "tiny", "nproc": 4, "fsdp": {}, "tp": 2},
     {"name": "50m N2 LoRA r8", "size": "50m", "nproc": 2, "fsdp": {}, "lora": 8},
     {"name": "tiny N2 LoRA r8", "size": "tiny", "nproc": 2, "fsdp": {}, "lora": 8},
 ]
 # The pytest subset: the tiny Llama on 2 ranks, in one launch.
 SUBSETS = {"tiny": [c["name"] for c in CONFIGS if c["size"] == "tiny" and c["nproc"] == 2],
-           "lora": [c["name"] for c in CONFIGS if c.get("lora")]}
+           "lora": [c["name"] for c in CONFIGS if c.get("lora")], "tp": [c["name"] for c in CONFIGS if c.get("tp")]}
 
 
 def _count_all_threads() -> None:
@@ -121,7 +123,8 @@ def worker(jobs_path: str, out_path: str) -> None:
                                                                                **job["fsdp"]},
                                      max_steps=STEPS, per_device_train_batch_size=spec.per_device_batch,
                                      save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10**9,
-                                     bf16=job.get("bf16", False), cp_size=job.get("cp", 1), seed=0,
+                                     bf16=job.get("bf16", False), cp_size=job.get("cp", 1),
+                                     tp_size=job.get("tp", 1), seed=0,
                                      gradient_accumulation_steps=job.get("accum", 1))
             peft_config = None
             if job.get("lora"):  # what the planner adds (plan.trace.with_adapters)
@@ -171,7 +174,8 @@ def predict(config: dict) -> dict:
                         max_position_embeddings=max(64, spec.seq_len), tie_word_embeddings=False, use_cache=False,
                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     result = plan(model, fsdp_config={"transformer_layer_cls_to_wrap": LAYERS, **config["fsdp"]},
-                  world_size=config["nproc"], cp=config.get("cp", 1), per_device_batch=spec.per_device_batch,
+                  world_size=config["nproc"], cp=config.get("cp", 1), tp=config.get("tp", 1),
+                  per_device_batch=spec.per_device_batch,
                   seq_len=spec.seq_len, gradient_accumulation_steps=config.get("accum", 1),
                   bf16=config.get("bf16", False), target="cpu", estimate_step_time=False,
                   what_if=False, lora_rank=config.get("lora", 0))
@@ -193,7 +197,8 @@ def run(names: list[str]) -> dict:
         pred = predict(config)
         error = 100.0 * (pred["peak"] - got) / got
         rows.append({"name": config["name"], "size": config["size"], "ranks": config["nproc"],
-                     "fsdp_config": config["fsdp"], "bf16": config.get("bf16", False), "cp": config.get("cp", 1),
+                     "fsdp_config": config["fsdp"], "bf16": config.get("bf16", False),
+                     "cp": config.get("cp", 1), "tp": config.get("tp", 1),
                      "gradient_accumulation_steps": config.get("accum", 1), "lora_rank": config.get("lora", 0),
                      "predicted_peak_bytes": pred["peak"], "measured_peak_bytes": got,
                      "predicted_peak_mib": round(pred["peak"] / 2**20, 2), "measured_peak_mib": round(got / 2**20, 2),

@@ -66,7 +66,5 @@ def test_cli_json_and_exit_codes(config_json, capsys):
 
 
 def test_not_modelled_yet_is_refused(config_json):
-    with pytest.raises(PlanError, match="tp = 2: the planner does not model tensor parallelism"):
-        plan(config_json, world_size=2, tp=2)
     with pytest.raises(PlanError, match="ep = 2: the planner does not model expert parallelism"):
         plan(config_json, world_size=2, ep=2)

@@ -152,7 +152,7 @@ def test_step_time_counts_the_replicas_all_reduce_and_calibrates_on_the_step_gem
     replicated = plan(tiny_config(), fsdp_config={**LAYERS, "sharding_strategy": "NO_SHARD"}, world_size=2,
                       per_device_batch=2, seq_len=16, target="cpu", what_if=False, tflops=1.0, link_gbps=1.0)
     step = replicated.step
-    assert replicated.trace.replicate_size == 2 and replicated.trace.fsdp_shard_size == 1
+    assert replicated.trace.fsdp_shard_size == 1
     assert step["wire_bytes"] == step["collective_bytes"]["allreduce"]  # 2 x (2-1)/2
     assert step["comm_s"] == pytest.approx(step["wire_bytes"] / 1e9)
     m, k, n = replicated.trace.gemm
@@ -183,3 +183,19 @@ def test_lora_trains_the_adapters_only():
     assert lora.trace.state["optimizer_state"] == 2 * lora.trace.state["gradients"] + 4 * 7 * 2 * layers
     assert lora.trace.state["parameters"] > full.trace.state["parameters"]  # the base stays, plus the adapters
     assert lora.peak < full.peak
+
+
+def test_tensor_parallel_splits_the_layers_activations_and_adds_its_collectives():
+    """dp 4 vs dp 2 x tp 2 on 4 ranks: each rank holds 1/4 of the state either way; tp splits every layer's
+    heads and MLP (so its activations), gathers the sequence (batch 2 per dp rank) and all-reduces over the 2 tp
+    ranks (functional collectives, counted over their own group)."""
+    dp = plan(tiny_config(), fsdp_config=LAYERS, world_size=4, per_device_batch=2, seq_len=16, target="cpu",
+              what_if=False, tflops=1.0, link_gbps=1.0)
+    tp = plan(tiny_config(), fsdp_config=LAYERS, world_size=4, tp=2, per_device_batch=2, seq_len=16, target="cpu",
+              what_if=False, tflops=1.0, link_gbps=1.0)
+    assert tp.settings["parallel"].startswith("dp_replicate 1 x dp_shard 2 x cp 1 x tp 2")
+    assert tp.trace.state["parameters"] == pytest.approx(dp.trace.state["parameters"], rel=0.02)
+    layer = dict(dp.trace.layer_activations)["model.layers.0"]
+    assert dict(tp.trace.layer_activations)["model.layers.0"] < layer
+    assert tp.step["collective_bytes"]["all_reduce"] > 0 and "all_reduce" not in dp.step["collective_bytes"]
+    assert tp.step["wire_bytes"] > 0

@@ -95,7 +95,7 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         bf16: mixed precision (bf16 parameters in compute, fp32 gradient reduction), as `TrainingArguments.bf16`.
         activation_checkpointing, cpu_offload, reshard_after_forward: override those fsdp_config keys.
         optimizer: "adamw_torch_fused" (the Trainer's default) or "adamw_torch".
-        lora_rank: > 0: LoRA adapters of that rank on every linear layer (the base frozen).
+        lora_rank: > 0: LoRA adapters of that rank on every linear layer but the head (the base frozen).
         device_memory: e.g. "80GiB": say whether the peak fits, and what would make it fit.
         target: "cuda" (NCCL; CPU offload keeps sharded state on the host) or "cpu" (gloo, whose reduce-scatter
             clones its input; everything on one memory).
@@ -119,9 +119,6 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         from shardtrain.train.lora import require_peft
 
         require_peft()  # a clear error when peft is missing
-    if tp != 1:
-        raise PlanError(f"tp = {tp}: the planner does not model tensor parallelism yet (its sharding plan needs real "
-                        "tensors); plan with tp = 1")
     if ep != 1:  # expert dispatch reads token counts back: fake tensors cannot trace it
         raise PlanError(f"ep = {ep}: the planner does not model expert parallelism yet; plan with ep = 1 (each rank "
                         "then holds the same 1/N of the experts' state, but gathers all of a layer's experts) or "

@@ -97,16 +97,10 @@ class Rates:
 
 
 def wire_bytes(trace: StepTrace) -> int:
-    """Bytes one rank sends per step with ring collectives: (n-1)/n of each all-gather output and reduce-scatter
-    input over its FSDP shard group of n ranks, 2(r-1)/r of each all-reduce over its r replicas (HSDP, no_shard;
-    with no replicas, the small all-reduces of the shard group)."""
-    total = 0.0
-    for name, size in trace.collective_bytes.items():
-        n = (trace.replicate_size if trace.replicate_size > 1 else trace.fsdp_shard_size) if "allreduce" in name \
-            else trace.fsdp_shard_size
-        if n > 1:
-            total += size * (n - 1) / n * (2 if "allreduce" in name else 1)
-    return int(total)
+    """Bytes one rank sends per step with ring collectives, each over the group it runs on (traced): (n-1)/n of
+    each all-gather output and reduce-scatter input, 2(n-1)/n of each all-reduce (FSDP's shard group, HSDP's
+    replicas, tensor parallelism's group)."""
+    return trace.wire_bytes
 
 
 def step_time(trace: StepTrace, rates: Rates) -> dict:

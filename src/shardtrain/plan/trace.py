@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -73,7 +73,7 @@ class StepTrace:
     flops: int
     collective_bytes: dict[str, int] = field(default_factory=dict)
     fsdp_shard_size: int = 1
-    replicate_size: int = 1  # HSDP / no_shard: the ranks a gradient all-reduce spans
+    wire_bytes: int = 0  # what this rank sends per step with ring collectives, each over its own group
     gemm: tuple[int, int, int] | None = None  # (m, k, n) of the matmul shape that carries the most FLOPs
 
 
@@ -83,6 +83,7 @@ class _CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.bytes: dict[str, int] = {}
+        self.wire = 0.0  # bytes this rank sends with ring collectives, each over its own group
         self.gemm_flops: dict[tuple[int, int, int], int] = {}  # (m, k, n) -> FLOPs of the matmuls of that shape
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -93,12 +94,34 @@ class _CollectiveCounter(TorchDispatchMode):
             a, b = args[-2], args[-1]
             shape = (int(a.shape[0]), int(a.shape[1]), int(b.shape[1]))
             self.gemm_flops[shape] = self.gemm_flops.get(shape, 0) + 2 * shape[0] * shape[1] * shape[2]
-        if func.namespace in ("c10d", "_c10d_functional"):
+        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             name = func.__name__.split(".")[0].strip("_")
-            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
             self.bytes[name] = self.bytes.get(name, 0) + size
+            n = _group_size(leaves)
+            if n > 1:  # ring: all-reduce sends 2(n-1)/n of its buffer, the others (n-1)/n
+                self.wire += size * (n - 1) / n * (2 if "reduce" in name and "scatter" not in name else 1)
         return out
+
+
+def _group_size(leaves: list) -> int:
+    """The size of the process group a c10d op runs on: its ProcessGroup argument, or (functional collectives,
+    e.g. tensor parallelism's) its group name."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.ScriptObject):  # a boxed ProcessGroup (or ReduceOp) in the op's arguments
+            try:
+                return dist.ProcessGroup.unbox(leaf).size()
+            except (RuntimeError, TypeError):
+                continue
+    for leaf in reversed(leaves):
+        if isinstance(leaf, str):
+            try:
+                return dist.distributed_c10d._resolve_process_group(leaf).size()
+            except (KeyError, ValueError, RuntimeError):
+                continue
+    return 1
 
 
 class _GlooCopies(TorchDispatchMode):
@@ -207,7 +230,7 @@ def with_adapters(model: nn.Module, lora_rank: int) -> nn.Module:
 
 def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module, Any]:
     """(LoRA is added before: `with_adapters`) context parallel -> tensor parallel -> FSDP, in the Trainer's order
-    (train/model_setup.py). (`plan` refuses tp > 1 for now: the tp plan cannot be built on fake tensors.)"""
+    (train/model_setup.py)."""
     from shardtrain.parallel.fsdp import apply_fsdp
 
     cp = None
@@ -295,6 +318,25 @@ class _Probe:
             handle.remove()
 
 
+@contextlib.contextmanager
+def _real_device_meshes() -> Iterator[None]:
+    """DeviceMeshes made during the traced set-up (FSDP2 joins the dp and tp meshes of a tensor-parallel parameter)
+    build their rank tables with real tensors: the active FakeTensorMode would intercept those ops and refuse the
+    real table. Only mesh construction steps out of the fake mode; every parameter and activation stays fake."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
+
+
 def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     """Run two Trainer steps of `build()`'s model as rank 0 of `setup.dims.world_size` fake ranks.
 
@@ -313,7 +355,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     try:
         meshes = setup.dims.build("cpu")
         meta_model = with_adapters(build(), setup.lora_rank)
-        with FakeTensorMode() as mode:
+        with FakeTensorMode() as mode, _real_device_meshes():
             model, cp = _prepare(to_fake(meta_model, mode), setup, meshes)
             args = SimpleNamespace(weight_decay=0.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_epsilon=1e-8, optim=setup.optimizer)
@@ -385,11 +427,13 @@ def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup
     # (the reduce-scatter runs once, after the last; AdamW's FLOPs are negligible)
     scale = setup.gradient_accumulation_steps / min(setup.gradient_accumulation_steps, 2)
     collectives = {k: int(v * scale) if "allgather" in k else v for k, v in counter.bytes.items()}
+    traced = sum(counter.bytes.values())  # the all-gathers repeat per micro-batch; scale the wire bytes alike
+    scale_wire = sum(collectives.values()) / traced if traced else 1.0
     return StepTrace(
         peak=breakdown.get("Total", 0), peak_breakdown=breakdown,
         peak_offloaded_device=_device_peak_offloaded(tracker),
         state={"parameters": params, "gradients": grads, "optimizer_state": opt},
         units=_units(model, dtype), layer_activations=probe.layers, logits=probe.logits,
         loss_buffers=probe.loss_buffers, flops=int(flops.get_total_flops() * scale),
-        collective_bytes=collectives, fsdp_shard_size=fsdp_mesh, replicate_size=setup.dims.dp_replicate,
+        collective_bytes=collectives, fsdp_shard_size=fsdp_mesh, wire_bytes=int(counter.wire * scale_wire),
         gemm=max(counter.gemm_flops, key=counter.gemm_flops.get) if counter.gemm_flops else None)
