@@ -5,8 +5,9 @@ The model is built, context-parallelised and sharded by shardtrain's own code (`
 collective goes to PyTorch's fake process group. Step 1 runs untraced (it creates AdamW's state); step 2 runs
 under PyTorch's `FSDPMemTracker` (one wrapper fixed, see `_tracker`), which labels every live storage
 (sharded/unsharded parameters, gradients, optimizer state, activations, all-gather and reduce-scatter buffers)
-and keeps the peak; for gloo, its reduce-scatter's input clone is added (`_GlooCopies`). Step 1 also runs under
-`FlopCounterMode` and a collective counter (for the step time). (LoRA and tp > 1 are refused by `plan` for now.)
+and keeps the peak; for gloo, its reduce-scatter's input clone is added (`GlooCopies`). Step 1 also runs under
+`FlopCounterMode` and a collective counter (for the step time); see `trace_modes`. LoRA adapters are added to the
+meta-device model before it becomes fake (`with_adapters`).
 
     from shardtrain.plan.trace import trace_step
     trace = trace_step(builder, setup)      # a StepTrace; see shardtrain.plan.plan for the public entry
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -25,14 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.plan.model_source import PlanError, to_fake
+from shardtrain.plan.trace_modes import CollectiveCounter, GlooCopies, flop_counter, real_device_meshes
 
 # FSDPMemTracker's categories (its _FSDPRefType values), grouped into the rows of the report
 STATE_PARAM, STATE_GRAD, STATE_OPT = ("Sharded Param", "Buffer"), ("Sharded Grad",), ("OptState",)
@@ -77,70 +78,6 @@ class StepTrace:
     gemm: tuple[int, int, int] | None = None  # (m, k, n) of the matmul shape that carries the most FLOPs
 
 
-class _CollectiveCounter(TorchDispatchMode):
-    """Bytes of each c10d collective's larger buffer on this rank (all-gather output, reduce-scatter input)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes: dict[str, int] = {}
-        self.wire = 0.0  # bytes this rank sends with ring collectives, each over its own group
-        self.gemm_flops: dict[tuple[int, int, int], int] = {}  # (m, k, n) -> FLOPs of the matmuls of that shape
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if any(t is DTensor for t in types):
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-            a, b = args[-2], args[-1]
-            shape = (int(a.shape[0]), int(a.shape[1]), int(b.shape[1]))
-            self.gemm_flops[shape] = self.gemm_flops.get(shape, 0) + 2 * shape[0] * shape[1] * shape[2]
-        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
-            name = func.__name__.split(".")[0].strip("_")
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            size = max((t.numel() * t.element_size() for t in tensors), default=0)
-            self.bytes[name] = self.bytes.get(name, 0) + size
-            n = _group_size(leaves)
-            if n > 1:  # ring: all-reduce sends 2(n-1)/n of its buffer, the others (n-1)/n
-                self.wire += size * (n - 1) / n * (2 if "reduce" in name and "scatter" not in name else 1)
-        return out
-
-
-def _group_size(leaves: list) -> int:
-    """The size of the process group a c10d op runs on: its ProcessGroup argument, or (functional collectives,
-    e.g. tensor parallelism's) its group name."""
-    for leaf in leaves:
-        if isinstance(leaf, torch.ScriptObject):  # a boxed ProcessGroup (or ReduceOp) in the op's arguments
-            try:
-                return dist.ProcessGroup.unbox(leaf).size()
-            except (RuntimeError, TypeError):
-                continue
-    for leaf in reversed(leaves):
-        if isinstance(leaf, str):
-            try:
-                return dist.distributed_c10d._resolve_process_group(leaf).size()
-            except (KeyError, ValueError, RuntimeError):
-                continue
-    return 1
-
-
-class _GlooCopies(TorchDispatchMode):
-    """What gloo allocates that the fake process group does not: its reduce-scatter
-    (`ProcessGroupGloo::_reduce_scatter_base`) works on a clone of its input, a second input-sized buffer while
-    it runs (seen at the peak of bf16 runs). Entered above the tracker, so the tracker counts the clone."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if any(t is DTensor for t in types):
-            return NotImplemented
-        kwargs = kwargs or {}
-        if func is torch.ops.c10d._reduce_scatter_base_.default:
-            clone = torch.empty_like(args[1])
-            out = func(*args, **kwargs)
-            del clone
-            return out
-        return func(*args, **kwargs)
-
-
 def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     """PyTorch's `FSDPMemTracker`, with its post-backward wrapper fixed: PyTorch's keeps the last unsharded
     gradient it labelled in a local variable while the reduce-scatter runs, so a one-parameter unit (the
@@ -172,24 +109,6 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
             return inner
 
     return Tracker(model, optimizer)
-
-
-def _flop_counter() -> FlopCounterMode:
-    """PyTorch's FLOP counter, plus the CPU flash-attention kernels it has no formula for (SDPA on CPU, which the
-    trace runs, would otherwise count no attention FLOPs); the formulas are PyTorch's own SDPA ones."""
-    from torch.utils import flop_counter
-
-    aten = torch.ops.aten
-
-    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
-        return flop_counter.sdpa_flop_count(query, key, value)
-
-    def backward(grad, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
-        return flop_counter.sdpa_backward_flop_count(grad, query, key, value)
-
-    return FlopCounterMode(display=False, custom_mapping={
-        aten._scaled_dot_product_flash_attention_for_cpu: forward,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -318,25 +237,6 @@ class _Probe:
             handle.remove()
 
 
-@contextlib.contextmanager
-def _real_device_meshes() -> Iterator[None]:
-    """DeviceMeshes made during the traced set-up (FSDP2 joins the dp and tp meshes of a tensor-parallel parameter)
-    build their rank tables with real tensors: the active FakeTensorMode would intercept those ops and refuse the
-    real table. Only mesh construction steps out of the fake mode; every parameter and activation stays fake."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    original = DeviceMesh.__init__
-
-    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
-        with unset_fake_temporarily():
-            original(self, *args, **kwargs)
-    DeviceMesh.__init__ = init
-    try:
-        yield
-    finally:
-        DeviceMesh.__init__ = original
-
-
 def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     """Run two Trainer steps of `build()`'s model as rank 0 of `setup.dims.world_size` fake ranks.
 
@@ -355,7 +255,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     try:
         meshes = setup.dims.build("cpu")
         meta_model = with_adapters(build(), setup.lora_rank)
-        with FakeTensorMode() as mode, _real_device_meshes():
+        with FakeTensorMode() as mode, real_device_meshes():
             model, cp = _prepare(to_fake(meta_model, mode), setup, meshes)
             args = SimpleNamespace(weight_decay=0.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_epsilon=1e-8, optim=setup.optimizer)
@@ -385,13 +285,13 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            counter = _CollectiveCounter()
-            with _flop_counter() as flops, counter:
+            counter = CollectiveCounter()
+            with flop_counter() as flops, counter:
                 step()
             tracker = _tracker(model, optimizer)
             tracker.track_inputs((batch,))
             probe = _Probe(model, tracker)
-            with tracker, _GlooCopies() if setup.backend == "gloo" else contextlib.nullcontext():
+            with tracker, GlooCopies() if setup.backend == "gloo" else contextlib.nullcontext():
                 # FSDPMemTracker keeps one forward per module per iteration: start its module stats afresh for
                 # the second micro-batch (the overall peak it keeps is not reset)
                 step(probe.at_loss, tracker.reset_mod_stats)
@@ -414,7 +314,7 @@ def _device_peak_offloaded(tracker: Any) -> int:
 
 
 def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup, tracker: Any, probe: _Probe,
-            flops: FlopCounterMode, counter: _CollectiveCounter) -> StepTrace:
+            flops: FlopCounterMode, counter: CollectiveCounter) -> StepTrace:
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     breakdown = {str(getattr(k, "value", k)): v for k, v in peak_snap.items()}
     params = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(b) for b in model.buffers())

@@ -397,30 +397,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
 
 
 IMPLEMENTED = {f.name for f in dataclasses.fields(_ImplementedArguments) if f.init}
-OURS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async", "predict_with_generate",
-        "generation_max_length", "generation_num_beams"}
-NOTES = {
-    "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see README)",
-    "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp/tp sizes",
-    "cp_regather_kv": "context parallel: all-gather K/V again in backward instead of keeping them (less memory)",
-    "sp_size": "Ulysses sequence-parallel size (refused above 1)",
-    "tp_size": "tensor-parallel size: the model's own TP plan on the tp mesh, FSDP over the rest (see README)",
-    "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",
-    "ep_size": "expert-parallel size: MoE experts spread over ep ranks (inside dp_shard x cp x tp; see README)",
-    "save_async": "write checkpoints in the background (DCP async save)",
-    "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way; not with ep",
-    "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
-    "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",
-    "generation_num_beams": "as Seq2SeqTrainingArguments",
-    "report_to": "'tensorboard', 'all' or 'none'; metrics.jsonl is always written",
-    "optim": "'adamw_torch_fused' or 'adamw_torch'",
-    "lr_scheduler_type": "transformers' schedulers, except reduce_lr_on_plateau and greedy",
-    "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
-    "bf16": "unset: the launcher's mixed precision",
-    "save_strategy": "'no', 'steps', 'epoch', 'best'",
-    "use_cpu": "CPU and gloo even when a GPU is visible",
-    "activation_checkpointing": "same as fsdp_config activation_checkpointing",
-}
+OURS, NOTES = hf_compat.OUR_FIELDS, hf_compat.FIELD_NOTES  # our fields; what the README table says of some
 
 TrainingArguments = dataclasses.make_dataclass(
     "TrainingArguments", hf_compat.mirrored_fields(IMPLEMENTED), bases=(_ImplementedArguments,), kw_only=True,

@@ -1,0 +1,118 @@
+"""The dispatch modes and contexts the traced step runs under (`shardtrain.plan.trace`): counting collectives
+(bytes, and bytes on the wire over each op's own group) and matmul shapes, gloo's reduce-scatter copy, FLOPs, and
+DeviceMesh construction outside the fake mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Bytes of each c10d collective's larger buffer on this rank (all-gather output, reduce-scatter input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+        self.wire = 0.0  # bytes this rank sends with ring collectives, each over its own group
+        self.gemm_flops: dict[tuple[int, int, int], int] = {}  # (m, k, n) -> FLOPs of the matmuls of that shape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2], args[-1]
+            shape = (int(a.shape[0]), int(a.shape[1]), int(b.shape[1]))
+            self.gemm_flops[shape] = self.gemm_flops.get(shape, 0) + 2 * shape[0] * shape[1] * shape[2]
+        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+            name = func.__name__.split(".")[0].strip("_")
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+            size = max((t.numel() * t.element_size() for t in tensors), default=0)
+            self.bytes[name] = self.bytes.get(name, 0) + size
+            n = _group_size(leaves)
+            if n > 1:  # ring: all-reduce sends 2(n-1)/n of its buffer, the others (n-1)/n
+                self.wire += size * (n - 1) / n * (2 if "reduce" in name and "scatter" not in name else 1)
+        return out
+
+
+def _group_size(leaves: list) -> int:
+    """The size of the process group a c10d op runs on: its ProcessGroup argument, or (functional collectives,
+    e.g. tensor parallelism's) its group name."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.ScriptObject):  # a boxed ProcessGroup (or ReduceOp) in the op's arguments
+            try:
+                return dist.ProcessGroup.unbox(leaf).size()
+            except (RuntimeError, TypeError):
+                continue
+    for leaf in reversed(leaves):
+        if isinstance(leaf, str):
+            try:
+                return dist.distributed_c10d._resolve_process_group(leaf).size()
+            except (KeyError, ValueError, RuntimeError):
+                continue
+    return 1
+
+
+class GlooCopies(TorchDispatchMode):
+    """What gloo allocates that the fake process group does not: its reduce-scatter
+    (`ProcessGroupGloo::_reduce_scatter_base`) works on a clone of its input, a second input-sized buffer while
+    it runs (seen at the peak of bf16 runs). Entered above the tracker, so the tracker counts the clone."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        if func is torch.ops.c10d._reduce_scatter_base_.default:
+            clone = torch.empty_like(args[1])
+            out = func(*args, **kwargs)
+            del clone
+            return out
+        return func(*args, **kwargs)
+
+
+def flop_counter() -> FlopCounterMode:
+    """PyTorch's FLOP counter, plus the CPU flash-attention kernels it has no formula for (SDPA on CPU, which the
+    trace runs, would otherwise count no attention FLOPs); the formulas are PyTorch's own SDPA ones."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+        return flop_counter.sdpa_backward_flop_count(grad, query, key, value)
+
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
+
+
+@contextlib.contextmanager
+def real_device_meshes() -> Iterator[None]:
+    """DeviceMeshes made during the traced set-up (FSDP2 joins the dp and tp meshes of a tensor-parallel parameter)
+    build their rank tables with real tensors: the active FakeTensorMode would intercept those ops and refuse the
+    real table. Only mesh construction steps out of the fake mode; every parameter and activation stays fake."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    original = DeviceMesh.__init__
+
+    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original(self, *args, **kwargs)
+    DeviceMesh.__init__ = init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = original
