@@ -82,6 +82,13 @@ def runs(tmp_path_factory) -> dict:
     out["ckpt_resumed"] = _worker(python, DEVICES, mode="spmd", out=str(root / "ckpt-resumed"), fsdp_config=ckpt,
                                   resume=str(root / "ckpt" / "checkpoint-5"),
                                   save_model=str(root / "ckpt-resumed-model"), **common)
+    # dropout, padding, tied embeddings and 2 micro-batches per step: resume must still be exact
+    gpt2 = {"model": "gpt2", "steps": 8, "batch": 2, "devices": DEVICES, "save_steps": 4, "accumulation": 2}
+    out["gpt2"] = _worker(python, DEVICES, mode="spmd", out=str(root / "gpt2"), save_model=str(root / "gpt2-model"),
+                          **gpt2)
+    out["gpt2_resumed"] = _worker(python, DEVICES, mode="spmd", out=str(root / "gpt2-resumed"),
+                                  resume=str(root / "gpt2" / "checkpoint-4"),
+                                  save_model=str(root / "gpt2-resumed-model"), **gpt2)
     v1 = {"steps": 2, "batch": 2 * DEVICES, "save_steps": 2}  # one device, the same global batch as the reference
     out["v1_layers"] = _worker(python, 1, mode="v1", out=str(root / "v1-layers"), fsdp_config={
         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla_fsdp_grad_ckpt": True,
@@ -117,6 +124,10 @@ def test_spmd_parameters_are_sharded_over_the_fsdp_axis(runs):
         assert spec.replace("[1,4]", "[4,1]").replace("[4]", "[4,1]").startswith("{devices=[4,1]0,1,2,3"), (name, spec)
 
 
+def test_resumed_parameters_stay_sharded(runs):
+    assert runs["spmd_resumed"]["sharding"] == runs["spmd"]["sharding"]
+
+
 def test_spmd_wraps_each_layer_and_grad_ckpt_checkpoints_them(runs):
     layers = ["_orig_module.model.layers.0", "_orig_module.model.layers.1"]
     assert runs["spmd"]["wrap"]["wrappers"] == {"": "SpmdFullyShardedDataParallel",
@@ -125,11 +136,14 @@ def test_spmd_wraps_each_layer_and_grad_ckpt_checkpoints_them(runs):
     assert runs["ckpt"]["wrap"]["checkpointed"] == [f"{name}._orig_module" for name in layers]
 
 
-@pytest.mark.parametrize("run", ["spmd", "ckpt"])
-def test_resume_from_step_5_is_bit_identical_to_the_uninterrupted_run(runs, run):
-    """FULL_STATE_DICT ("spmd") and SHARDED_STATE_DICT ("ckpt") checkpoints: the same losses and final weights."""
+@pytest.mark.parametrize(("run", "at", "steps"), [("spmd", 5, STEPS), ("ckpt", 5, STEPS), ("gpt2", 4, 8)])
+def test_resume_is_bit_identical_to_the_uninterrupted_run(runs, run, at, steps):
+    """FULL_STATE_DICT ("spmd") and SHARDED_STATE_DICT ("ckpt") checkpoints of the Llama, and GPT-2 with dropout 0.1,
+    padded batches, tied embeddings and 2 micro-batches per step: the same losses and final weights, bit for bit
+    (XLA's RNG is restored; parameters and AdamW moments keep their sharding)."""
     resumed = runs[f"{run}_resumed"]["losses"]
-    assert {s: resumed[s] for s in range(6, STEPS + 1)} == {s: runs[run]["losses"][s] for s in range(6, STEPS + 1)}
+    assert {s: resumed[s] for s in range(at + 1, steps + 1)} == \
+        {s: runs[run]["losses"][s] for s in range(at + 1, steps + 1)}
     ours = load_file(runs["root"] / f"{run}-resumed-model" / "model.safetensors")
     uninterrupted = load_file(runs["root"] / f"{run}-model" / "model.safetensors")
     assert sorted(ours) == sorted(uninterrupted)
@@ -137,7 +151,7 @@ def test_resume_from_step_5_is_bit_identical_to_the_uninterrupted_run(runs, run)
         assert torch.equal(ours[name], tensor), name
 
 
-@pytest.mark.parametrize("run", ["spmd", "ckpt"])
+@pytest.mark.parametrize("run", ["spmd", "ckpt", "gpt2"])
 def test_save_model_loads_with_from_pretrained_with_the_same_logits(runs, run):
     assert runs[run]["logits_max_diff"] < 1e-5
     assert {"config.json", "model.safetensors"} <= set(runs[run]["saved_files"])

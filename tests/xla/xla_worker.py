@@ -26,6 +26,27 @@ def tiny_llama(tie: bool = False) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).float()
 
 
+def tiny_gpt2(dropout: float = 0.1) -> torch.nn.Module:
+    """Dropout (0.1) everywhere and tied input/output embeddings."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, tie_word_embeddings=True, pad_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def padded_dataset(n: int) -> list[dict]:
+    """Lengths 6..12: batches are padded (two lengths only, so XLA compiles few graphs)."""
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for i in range(n):
+        length = 6 if i % 2 else SEQ
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
 def dataset(n: int) -> list[dict]:
     """Fixed-length samples (one graph shape for XLA); labels -100 on the first two tokens of every sample."""
     g = torch.Generator().manual_seed(1)
@@ -50,12 +71,14 @@ def run(spec: dict) -> dict:
                              lr_scheduler_type="constant", max_grad_norm=spec.get("max_grad_norm", 1.0),
                              logging_steps=1, save_steps=spec.get("save_steps", 10_000), seed=0, report_to="none",
                              disable_tqdm=True, gradient_accumulation_steps=spec.get("accumulation", 1))
-    model = tiny_llama(spec.get("tie", False))
-    trainer = Trainer(model, args, train_dataset=dataset(spec.get("samples", 64)))
+    gpt2 = spec.get("model") == "gpt2"
+    model = tiny_gpt2(spec.get("dropout", 0.1)) if gpt2 else tiny_llama(spec.get("tie", False))
+    data = padded_dataset(spec.get("samples", 64)) if gpt2 else dataset(spec.get("samples", 64))
+    trainer = Trainer(model, args, train_dataset=data)
     result: dict = {"wrap": describe(trainer.model) if xla else None}
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     result["losses"] = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
-    if mode == "spmd":
+    if mode == "spmd" and not gpt2:
         import torch_xla
 
         result["sharding"] = {n: torch_xla._XLAC._get_xla_sharding_spec(p) for n, p in model.named_parameters()}
@@ -64,7 +87,7 @@ def run(spec: dict) -> dict:
         trainer.model.eval()
         with torch.no_grad():
             mine = trainer.model(input_ids=probe().to(trainer.device)).logits.cpu()
-        loaded = LlamaForCausalLM.from_pretrained(spec["save_model"]).eval()
+        loaded = type(model).from_pretrained(spec["save_model"]).eval()
         with torch.no_grad():
             theirs = loaded(input_ids=probe()).logits
         result["logits_max_diff"] = (mine - theirs).abs().max().item()

@@ -27,6 +27,21 @@ def register_xla_rng() -> None:
                         lambda saved: xm.set_rng_state(int(saved)))
 
 
+def _copy_keeping_sharding(target: torch.Tensor, source: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    """`target.copy_(source)` for an XLA tensor that keeps its sharding annotation (or takes that of `like`): a
+    plain copy_ leaves it replicated (the resumed run would no longer be sharded, and would round differently)."""
+    if target.device.type != "xla":
+        target.copy_(source.to(target.device, target.dtype))
+        return
+    import torch_xla
+
+    sharding = torch_xla._XLAC._get_xla_op_sharding(like if like is not None else target)
+    target.copy_(source.to(target.device, target.dtype))
+    if sharding is not None:
+        torch_xla._XLAC._xla_clear_sharding(target)
+        torch_xla._XLAC._xla_mark_sharding(target, sharding)
+
+
 def _is_v1(model: nn.Module) -> bool:
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 
@@ -60,10 +75,12 @@ class XlaStates:
 
     def load_model_state(self, state: dict[str, Any]) -> None:
         aliases = self.tied_aliases()
+        done: set[int] = set()
         with torch.no_grad():
             for key, target in self._entries().items():
-                source = state[key] if key in state else state[aliases[key]]
-                target.copy_(source.to(target.device, target.dtype))  # in place: the sharding stays
+                if id(target) not in done:  # a tied weight once
+                    _copy_keeping_sharding(target, state[key] if key in state else state[aliases[key]])
+                    done.add(id(target))
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         if self.v1:
@@ -102,13 +119,23 @@ class XlaStates:
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state(self, saved: dict[str, Any]) -> None:
+        """Copy the saved entries into the live ones (the template for DCP made them with a zero-lr step,
+        `optimizer_state`), sharded as an uninterrupted run has them: moments like their parameter."""
         names = self._param_names()
-        index = {names[id(p)]: i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        torch_format = {
-            "state": {index[name]: dict(entry) for name, entry in saved["state"].items()},
-            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in saved["param_groups"]],
-        }
-        # moves each entry to its parameter's device; no sharding annotation of ours: the entries then take
-        # the layout the compiler gives them in an uninterrupted run, and the resumed run is bit-identical
-        # (annotating them like their parameters changed the partitioned step's rounding)
-        self.optimizer.load_state_dict(torch_format)
+        by_name = {names[id(p)]: p for group in self.optimizer.param_groups for p in group["params"]}
+        with torch.no_grad():
+            for name, entry in saved["state"].items():
+                param = by_name[name]
+                live = self.optimizer.state[param]
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor) and isinstance(live.get(key), torch.Tensor):
+                        # moments shaped like their parameter are sharded like it, as the step computes them
+                        like = param if live[key].shape == param.shape else None
+                        _copy_keeping_sharding(live[key], value, like)
+                    else:
+                        live[key] = value
+        for group, saved_group in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+            if [names[id(p)] for p in group["params"]] != list(saved_group["params"]):
+                raise CheckpointError("the checkpoint's optimizer parameter groups do not match this optimizer's; "
+                                      "resume with the same model and optimizer settings")
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
