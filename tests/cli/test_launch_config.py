@@ -51,6 +51,7 @@ BAD_CONFIGS = {
     "no_main_ip": ("num_machines: 2\nnum_processes: 2\n", "main_process_ip is not set"),
     "fp8": ("mixed_precision: fp8\n", "'mixed_precision' is 'fp8'"),
     "deepspeed": ("distributed_type: DEEPSPEED\n", "does not run"),
+    "tpu": ("distributed_type: XLA\n", "the TPU path runs as one plain `python` process per host"),
     "bad_strategy": ("fsdp_config:\n  fsdp_sharding_strategy: 7\n", "1 (full_shard) .. 5"),
     "bad_parallelism_key": (
         "parallelism_config:\n  parallelism_config_cp_sise: 2\n",

@@ -228,8 +228,12 @@ class LaunchConfig:
             self.compute_environment = _as_choice(key, value, where, ("LOCAL_MACHINE",))
         elif key == "distributed_type":
             if str(value).strip().upper() in UNSUPPORTED_TYPES:
-                raise LaunchConfigError(f"{where}: key 'distributed_type' is {value!r}, which shardtrain "
-                                        f"does not run; use FSDP (with fsdp_config) or MULTI_CPU/MULTI_GPU")
+                tpu = str(value).strip().upper() in ("XLA", "TPU")
+                raise LaunchConfigError(
+                    f"{where}: key 'distributed_type' is {value!r}, which shardtrain launch does not run; "
+                    + ("the TPU path runs as one plain `python` process per host with TrainingArguments "
+                       "fsdp_config {'xla': true, 'xla_fsdp_v2': true} (see README, TPU path)" if tpu else
+                       "use FSDP (with fsdp_config) or MULTI_CPU/MULTI_GPU"))
             self.distributed_type = _as_choice(key, value, where, NON_FSDP_TYPES | {"FSDP"})
         elif key == "fsdp_config":
             self.fsdp_config, ignored = map_fsdp_config(value, where)
