@@ -39,7 +39,6 @@ class TrainingBackend:
     name = "fsdp2"
     devices_per_process = 1
     state_access: type = TorchStates
-    supports_async_save = True
 
     def __init__(self, args: Any) -> None:
         self.args = args

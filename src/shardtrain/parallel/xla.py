@@ -85,7 +85,6 @@ class XlaBackend(TrainingBackend):
 
     name = "xla"
     state_access = XlaStates
-    supports_async_save = False
     host_device_type = "cpu"  # host-side process group (barriers, agreement on errors): gloo
 
     def __init__(self, args: Any) -> None:
