@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardtrain.checkpoint.async_save import (
@@ -30,7 +29,6 @@ from shardtrain.checkpoint.async_save import (
 from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.full import write_full_checkpoint
 from shardtrain.checkpoint.layout import OPTIMIZER_DIR, SHARDED_DIR
-from shardtrain.checkpoint.model_state import full_model_state, tied_aliases
 
 
 class AsyncSaveMixin:
@@ -94,15 +92,16 @@ class AsyncSaveMixin:
         when the sharding is not plain FSDP, e.g. HSDP: gathered here, through the training group).
         """
         with_optim = self.optimizer is not None and not model_only
-        payload: dict[str, Any] = {"model": get_model_state_dict(self.model, options=self._options)}
+        states = self.states()
+        payload: dict[str, Any] = {"model": states.model_state()}
         full = None
         if self.state_dict_type != "SHARDED_STATE_DICT" and not gatherable(payload["model"]):
             # collective; rank 0 gets the model, the others {}
-            gathered = full_model_state(self.model, trainable_only=self.frozen_base is not None)
+            gathered = states.full_model_state()
             full = private_copy(gathered, self.model) if self.rank == 0 else {}
             del gathered, payload["model"]
         if with_optim:
-            payload["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+            payload["optimizer"] = states.optimizer_state()
         staged = self._stager.stage(payload)
         self._write_small_files(tmp, state, model_only)
         if self.state_dict_type == "SHARDED_STATE_DICT":
@@ -116,7 +115,7 @@ class AsyncSaveMixin:
         unless that was done already, then rank 0 writes model.safetensors."""
         if full is None:
             full = gather_full(shards, self._gather_group)
-            for alias in tied_aliases(self.model):
+            for alias in self.states().tied_aliases():
                 full.pop(alias, None)
         if self.rank == 0:
             write_full_checkpoint(full, tmp, None)

@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from shardtrain.checkpoint.async_manager import AsyncSaveMixin
 from shardtrain.checkpoint.errors import CheckpointError
@@ -129,7 +128,6 @@ class CheckpointManager(AsyncSaveMixin):
         self.output_dir = Path(output_dir)
         self.extra_files = dict(extra_files or {})
         self.frozen_base = frozen_base
-        self._options = StateDictOptions(ignore_frozen_params=frozen_base is not None)  # async saves
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state_access = state_access
         self.state_dict_type = state_dict_type
@@ -197,7 +195,7 @@ class CheckpointManager(AsyncSaveMixin):
             config = model_config_dict(self.model)
             if config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-            (tmp / TIED_FILE).write_text(json.dumps(tied_aliases(self.model)))
+            (tmp / TIED_FILE).write_text(json.dumps(self.states().tied_aliases()))
             if self.frozen_base is not None:
                 (tmp / BASE_FILE).write_text(json.dumps(self.frozen_base, indent=2))
             for name, text in self.extra_files.items():
@@ -345,7 +343,8 @@ class CheckpointManager(AsyncSaveMixin):
                 excess -= 1
 
     def _check_shapes(self, path: Path, kind: str) -> None:
-        expected = self.states().shapes()
+        states = self.states()
+        expected = states.shapes()
         if kind == "SHARDED_STATE_DICT":
             try:
                 meta = read_dcp_metadata(path / SHARDED_DIR).state_dict_metadata
@@ -358,7 +357,7 @@ class CheckpointManager(AsyncSaveMixin):
                      if k.startswith("model.") and hasattr(v, "size")}
         else:
             saved = read_full_shapes(path)
-        tied = self.states().tied_aliases()
+        tied = states.tied_aliases()
         for key, shape in expected.items():
             got = saved.get(key, saved.get(tied.get(key, ""), None))
             if got is None:

@@ -2,8 +2,8 @@
 
 The Trainer calls a `TrainingBackend` for everything that is not the same on both: starting the processes and
 what rank / world size mean, wrapping the model, putting a batch on the device, collectives on host-visible
-values, the optimizer step and the end of a step, and how checkpoints read the state. `FSDP2Backend` is the
-default; `XlaBackend` (`shardtrain.parallel.xla`) is chosen by `fsdp_config` `"xla": true`.
+values, the optimizer step and the end of a step, and how checkpoints read the state. `TrainingBackend` itself is FSDP2,
+the default; `XlaBackend` (`shardtrain.parallel.xla`) is chosen by `fsdp_config` `"xla": true`.
 
     backend = make_backend(args)        # before anything touches a device
     backend.setup()                     # process group / XLA runtime; then backend.rank, world_size, device
@@ -124,8 +124,6 @@ class TrainingBackend:
         """The whole model on CPU on rank 0 (empty elsewhere); collective."""
         return self.state_access(model, None, trainable_only=trainable_only).full_model_state()
 
-
-FSDP2Backend = TrainingBackend
 
 
 def make_backend(args: Any) -> TrainingBackend:

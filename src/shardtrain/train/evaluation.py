@@ -44,8 +44,8 @@ class EvalLoop:
                  dp_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
                  on_step: Callable[[], None] | None = None, cp: ContextParallel | None = None,
                  prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
-                 generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True,
-                 backend: Any = None) -> None:
+                 generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True, *,
+                 backend: Any) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
@@ -90,16 +90,12 @@ class EvalLoop:
                     logits = self.cp.gather_sequence(logits, inputs[SHARD_KWARG])
                 if with_predictions and logits is not None and self.collects:
                     self._collect(indices, batch, logits, preds, labels)
-                if self.backend is not None:
-                    self.backend.step_end()
+                self.backend.step_end()
                 if self.on_step is not None:
                     self.on_step()
         reshard_all(self.model)
         self.model.train(was_training)
-        if self.backend is not None:
-            self.backend.all_reduce(totals, group=self.loss_group)
-        else:
-            dist.all_reduce(totals, group=self.loss_group)
+        self.backend.all_reduce(totals, group=self.loss_group)
         metrics = {f"{prefix}_loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
         predictions = label_ids = None
         if with_predictions:
