@@ -60,17 +60,23 @@ MODEL_SEED = 0
 DATA_SEED = 1234
 
 
+def llama_config(spec: SizeSpec) -> Any:
+    """The Llama config of `spec` (untied embeddings, no cache)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                       intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+                       num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                       max_position_embeddings=max(64, spec.seq_len), tie_word_embeddings=False, use_cache=False,
+                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def build_model(spec: SizeSpec) -> nn.Module:
     """The same fp32 Llama (same initial weights) for every mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-                         max_position_embeddings=max(64, spec.seq_len), tie_word_embeddings=False, use_cache=False,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(MODEL_SEED)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(llama_config(spec))
 
 
 def make_samples(spec: SizeSpec, n: int) -> list[dict[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_common import LAYER_CLASS, SIZES  # noqa: E402
+from bench_common import LAYER_CLASS, SIZES, llama_config  # noqa: E402
 from compare import launch, log, machine_info  # noqa: E402
 
 # name, ranks, worker mode, fsdp_config for the planner (as the worker's variant sets it)
@@ -68,15 +68,10 @@ def gloo_link_rate(nproc: int = 2) -> float:
 
 
 def predict(size: str, nproc: int, fsdp: dict) -> dict:
-    from transformers import LlamaConfig
-
     from shardtrain.plan import plan
 
     spec = SIZES[size]
-    config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                         num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-                         max_position_embeddings=max(64, spec.seq_len), tie_word_embeddings=False)
+    config = llama_config(spec)
     result = plan(config, fsdp_config={"transformer_layer_cls_to_wrap": [LAYER_CLASS], **fsdp}, world_size=nproc,
                   per_device_batch=spec.per_device_batch, seq_len=spec.seq_len, target="cpu", what_if=False)
     return {k: v for k, v in result.step.items() if k != "collective_bytes"}

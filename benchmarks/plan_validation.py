@@ -29,7 +29,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 STEPS = 3
-LAYERS = ["LlamaDecoderLayer"]
+LAYERS = {"tiny": ["LlamaDecoderLayer"], "50m": ["LlamaDecoderLayer"], "moe": ["Qwen3MoeDecoderLayer"]}
+# A small Qwen3-MoE (8 experts, top-2; ~6.6M parameters), as in benchmarks/expert_parallel.py
+MOE = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+       "num_experts": 8, "num_experts_per_tok": 2}
 
 # name, size (bench_common.SIZES), ranks, fsdp_config keys, bf16, cp, accum (gradient accumulation steps)
 CONFIGS: list[dict] = [
@@ -55,10 +59,38 @@ CONFIGS: list[dict] = [
     {"name": "tiny N4 tp2", "size": "tiny", "nproc": 4, "fsdp": {}, "tp": 2},
     {"name": "50m N2 LoRA r8", "size": "50m", "nproc": 2, "fsdp": {}, "lora": 8},
     {"name": "tiny N2 LoRA r8", "size": "tiny", "nproc": 2, "fsdp": {}, "lora": 8},
+    {"name": "moe N2", "size": "moe", "nproc": 2, "fsdp": {}},
+    {"name": "moe N2 ep2", "size": "moe", "nproc": 2, "fsdp": {}, "ep": 2},
+    {"name": "moe N4 ep2", "size": "moe", "nproc": 4, "fsdp": {}, "ep": 2},
+    {"name": "moe N4 ep4", "size": "moe", "nproc": 4, "fsdp": {}, "ep": 4},
 ]
 # The pytest subset: the tiny Llama on 2 ranks, in one launch.
 SUBSETS = {"tiny": [c["name"] for c in CONFIGS if c["size"] == "tiny" and c["nproc"] == 2],
-           "lora": [c["name"] for c in CONFIGS if c.get("lora")], "tp": [c["name"] for c in CONFIGS if c.get("tp")]}
+           "lora": [c["name"] for c in CONFIGS if c.get("lora")], "tp": [c["name"] for c in CONFIGS if c.get("tp")],
+           "moe": [c["name"] for c in CONFIGS if c["size"] == "moe"]}
+
+
+def _spec(size: str):  # noqa: ANN202
+    """The model's SizeSpec (bench_common.SIZES; the MoE's shape for its batch and data)."""
+    sys.path.insert(0, str(HERE))
+    from bench_common import SIZES, SizeSpec
+
+    if size == "moe":
+        return SizeSpec("moe", vocab_size=MOE["vocab_size"], hidden_size=MOE["hidden_size"],
+                        intermediate_size=MOE["intermediate_size"], num_hidden_layers=MOE["num_hidden_layers"],
+                        num_attention_heads=MOE["num_attention_heads"],
+                        num_key_value_heads=MOE["num_key_value_heads"], seq_len=64, per_device_batch=4)
+    return SIZES[size]
+
+
+def _model_config(size: str):  # noqa: ANN202
+    """The transformers config the worker builds and the planner traces."""
+    from bench_common import llama_config
+    from transformers import Qwen3MoeConfig
+
+    if size == "moe":
+        return Qwen3MoeConfig(**MOE, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return llama_config(_spec(size))
 
 
 def _count_all_threads() -> None:
@@ -100,7 +132,8 @@ def worker(jobs_path: str, out_path: str) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sys.path.insert(0, str(HERE))
-    from bench_common import SIZES, build_model, make_samples
+    from bench_common import MODEL_SEED, build_model, make_samples
+    from transformers import AutoModelForCausalLM
 
     from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
 
@@ -114,17 +147,17 @@ def worker(jobs_path: str, out_path: str) -> None:
 
     results = []
     for job in json.loads(Path(jobs_path).read_text()):
-        spec = SIZES[job["size"]]
+        spec = _spec(job["size"])
         samples = make_samples(spec, 64)
         with tempfile.TemporaryDirectory() as tmp, \
                 profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             torch.empty(1)  # the first recorded allocation: the baseline
-            args = TrainingArguments(output_dir=tmp, fsdp=True, fsdp_config={"transformer_layer_cls_to_wrap": LAYERS,
-                                                                               **job["fsdp"]},
+            fsdp_config = {"transformer_layer_cls_to_wrap": LAYERS[job["size"]], **job["fsdp"]}
+            args = TrainingArguments(output_dir=tmp, fsdp=True, fsdp_config=fsdp_config,
                                      max_steps=STEPS, per_device_train_batch_size=spec.per_device_batch,
                                      save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10**9,
                                      bf16=job.get("bf16", False), cp_size=job.get("cp", 1),
-                                     tp_size=job.get("tp", 1), seed=0,
+                                     tp_size=job.get("tp", 1), ep_size=job.get("ep", 1), seed=0,
                                      gradient_accumulation_steps=job.get("accum", 1))
             peft_config = None
             if job.get("lora"):  # what the planner adds (plan.trace.with_adapters)
@@ -132,7 +165,12 @@ def worker(jobs_path: str, out_path: str) -> None:
 
                 peft_config = LoraConfig(r=job["lora"], lora_alpha=2 * job["lora"], target_modules="all-linear",
                                          task_type="CAUSAL_LM")
-            trainer = Trainer(model=build_model(spec), args=args, train_dataset=samples, callbacks=[Marker()],
+            if job["size"] == "moe":
+                torch.manual_seed(MODEL_SEED)
+                model = AutoModelForCausalLM.from_config(_model_config("moe"))
+            else:
+                model = build_model(spec)
+            trainer = Trainer(model=model, args=args, train_dataset=samples, callbacks=[Marker()],
                               peft_config=peft_config)
             trainer.train()
             del trainer
@@ -161,20 +199,11 @@ def _launch(nproc: int, jobs: list[dict]) -> list[dict]:
 
 def predict(config: dict) -> dict:
     """`shardtrain.plan.plan` for one config: the bench model's config, the same sizes and fsdp_config."""
-    sys.path.insert(0, str(HERE))
-    from bench_common import SIZES
-    from transformers import LlamaConfig
-
     from shardtrain.plan import plan
 
-    spec = SIZES[config["size"]]
-    model = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-                        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-                        max_position_embeddings=max(64, spec.seq_len), tie_word_embeddings=False, use_cache=False,
-                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    result = plan(model, fsdp_config={"transformer_layer_cls_to_wrap": LAYERS, **config["fsdp"]},
-                  world_size=config["nproc"], cp=config.get("cp", 1), tp=config.get("tp", 1),
+    spec, model = _spec(config["size"]), _model_config(config["size"])
+    result = plan(model, fsdp_config={"transformer_layer_cls_to_wrap": LAYERS[config["size"]], **config["fsdp"]},
+                  world_size=config["nproc"], cp=config.get("cp", 1), tp=config.get("tp", 1), ep=config.get("ep", 1),
                   per_device_batch=spec.per_device_batch,
                   seq_len=spec.seq_len, gradient_accumulation_steps=config.get("accum", 1),
                   bf16=config.get("bf16", False), target="cpu", estimate_step_time=False,
@@ -198,7 +227,7 @@ def run(names: list[str]) -> dict:
         error = 100.0 * (pred["peak"] - got) / got
         rows.append({"name": config["name"], "size": config["size"], "ranks": config["nproc"],
                      "fsdp_config": config["fsdp"], "bf16": config.get("bf16", False),
-                     "cp": config.get("cp", 1), "tp": config.get("tp", 1),
+                     "cp": config.get("cp", 1), "tp": config.get("tp", 1), "ep": config.get("ep", 1),
                      "gradient_accumulation_steps": config.get("accum", 1), "lora_rank": config.get("lora", 0),
                      "predicted_peak_bytes": pred["peak"], "measured_peak_bytes": got,
                      "predicted_peak_mib": round(pred["peak"] / 2**20, 2), "measured_peak_mib": round(got / 2**20, 2),

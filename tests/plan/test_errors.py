@@ -65,6 +65,14 @@ def test_cli_json_and_exit_codes(config_json, capsys):
     assert "cp_size x tp_size = 3 x 1" in capsys.readouterr().err
 
 
-def test_not_modelled_yet_is_refused(config_json):
-    with pytest.raises(PlanError, match="ep = 2: the planner does not model expert parallelism"):
-        plan(config_json, world_size=2, ep=2)
+def test_what_the_trainer_refuses_is_refused(config_json):
+    """The planner refuses what the Trainer refuses, with its message: experts parallelism of a dense model,
+    LoRA with tensor or expert parallelism."""
+    from shardtrain.parallel.expert import ExpertParallelError
+
+    with pytest.raises(ExpertParallelError, match="ep_size = 2: LlamaForCausalLM has no routed experts"):
+        plan(config_json, world_size=2, ep=2, estimate_step_time=False)
+    for kwargs in ({"tp": 2}, {"ep": 2}):
+        name = next(iter(kwargs))
+        with pytest.raises(PlanError, match=f"lora_rank = 4 with {name} = 2: the Trainer does not train LoRA"):
+            plan(config_json, world_size=2, lora_rank=4, **kwargs)

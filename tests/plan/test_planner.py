@@ -199,3 +199,34 @@ def test_tensor_parallel_splits_the_layers_activations_and_adds_its_collectives(
     assert dict(tp.trace.layer_activations)["model.layers.0"] < layer
     assert tp.step["collective_bytes"]["all_reduce"] > 0 and "all_reduce" not in dp.step["collective_bytes"]
     assert tp.step["wire_bytes"] > 0
+
+
+def tiny_moe(**extra):
+    from transformers import Qwen3MoeConfig
+
+    values = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "num_experts": 4, "num_experts_per_tok": 2, "use_cache": False}
+    return Qwen3MoeConfig(**{**values, **extra})
+
+
+def test_experts_grouped_matmuls_and_expert_parallel_exchange():
+    """A Qwen3-MoE plans at ep 1 (transformers' grouped-matmul experts) and ep 2 (its all-to-all dispatch, under
+    uniform routing). The experts' FLOPs: top-2 instead of top-1 adds one (gate_up + down) expert pass per token,
+    forward + 2 in backward. At ep 2 each rank holds 2 whole experts instead of half of 4: the same bytes, the
+    experts leave the all-gather, and each layer exchanges every (token, expert) pair twice each way."""
+    kwargs = {"fsdp_config": {"transformer_layer_cls_to_wrap": ["Qwen3MoeDecoderLayer"]}, "world_size": 2,
+              "per_device_batch": 2, "seq_len": 16}
+    ep1, top1, ep2 = quick(tiny_moe(), **kwargs), quick(tiny_moe(num_experts_per_tok=1), **kwargs), \
+        quick(tiny_moe(), ep=2, **kwargs)
+    tokens, hidden, inter, layers = 2 * 16, 32, 16, 2
+    assert ep1.trace.flops - top1.trace.flops == 3 * 2 * tokens * (hidden * 2 * inter + inter * hidden) * layers
+    assert ep2.trace.flops == ep1.trace.flops
+    assert ep2.settings["parallel"].endswith("ep 2 = 2 ranks")
+    assert ep2.trace.state == ep1.trace.state
+    experts = layers * 4 * (2 * inter * hidden + hidden * inter) * 4  # fp32 bytes of every expert weight
+    gathered = ep1.trace.collective_bytes["allgather_base"] - ep2.trace.collective_bytes["allgather_base"]
+    assert gathered == experts * 2  # forward + backward all-gather (reshard after forward)
+    pairs = tokens * 2
+    assert ep2.trace.collective_bytes["all_to_all_single"] == 4 * layers * pairs * hidden * 4
+    assert "all_to_all_single" not in ep1.trace.collective_bytes

@@ -39,8 +39,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--dp-shard", type=int, help="ranks that shard the model (default: the rest)")
     plan.add_argument("--dp-replicate", type=int, help="replicas of the shard groups (HSDP)")
     plan.add_argument("--cp", type=int, default=1, help="context-parallel size (splits each sequence)")
-    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (not modelled yet: 1)")
-    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (not modelled yet: > 1 is refused)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the model's own tp plan)")
+    plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; the token exchange "
+                      "assumes uniform routing)")
     plan.add_argument("--batch", type=int, default=1, help="per-device batch (samples)")
     plan.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens")
     plan.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")

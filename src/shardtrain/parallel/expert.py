@@ -89,7 +89,8 @@ def _expert_weights(module: nn.Module, count: int) -> list[str]:
             if param.dim() >= 2 and param.shape[0] == count]
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list[str]:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh, *,
+             ep_implementation: str = "all_to_all") -> list[str]:
     """Give each `ep` rank its experts (fused weights -> DTensor `Shard(0)` on `ep_mesh`) and route tokens to
     them with transformers' all-to-all dispatch; in place. Returns the experts modules' names.
 
@@ -97,6 +98,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list
         model: a mixture-of-experts model with full (unsharded) weights, the same on every rank.
         ep_mesh: the 1-D expert-parallel mesh.
         tp_mesh: the ranks that hold the same batch (size 1: expert parallelism without tensor parallelism).
+        ep_implementation: the `EPImplementationInterface` entry that exchanges the tokens (the planner registers
+            its own, for fake tensors).
 
     Raises:
         ExpertParallelError: a dense model, sizes that do not divide, or a transformers without expert parallelism.
@@ -118,7 +121,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> list
             module._parameters[name] = nn.Parameter(sharded, requires_grad=param.requires_grad)
         module.num_experts = count // ep  # the experts forward then runs this rank's experts on local ids
         module._is_expert_parallel = True
-        EpDispatchExpertsParallel().install_forward(module, ep_mesh, tp_mesh=tp_mesh, ep_implementation="all_to_all")
+        EpDispatchExpertsParallel().install_forward(module, ep_mesh, tp_mesh=tp_mesh,
+                                                    ep_implementation=ep_implementation)
         setattr(module, EP_FLAG, True)
     return list(experts)
 

@@ -119,10 +119,11 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         from shardtrain.train.lora import require_peft
 
         require_peft()  # a clear error when peft is missing
-    if ep != 1:  # expert dispatch reads token counts back: fake tensors cannot trace it
-        raise PlanError(f"ep = {ep}: the planner does not model expert parallelism yet; plan with ep = 1 (each rank "
-                        "then holds the same 1/N of the experts' state, but gathers all of a layer's experts) or "
-                        "measure with benchmarks/expert_parallel.py")
+    for size_name, size in (("tp", tp), ("ep", ep)):
+        if lora_rank and size > 1:  # as the Trainer (train/model_setup.py)
+            raise PlanError(f"lora_rank = {lora_rank} with {size_name} = {size}: the Trainer does not train LoRA "
+                            f"adapters with {size_name}_size > 1 yet; plan the adapters with data (and context) "
+                            f"parallelism, {size_name} = 1")
     config = _fsdp_config(fsdp_config, {"activation_checkpointing": activation_checkpointing,
                                         "cpu_offload": cpu_offload, "reshard_after_forward": reshard_after_forward})
     if world_size is None:

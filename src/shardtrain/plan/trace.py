@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.dims import ParallelDims
+from shardtrain.plan.experts import GroupedMmShapes
 from shardtrain.plan.model_source import PlanError, to_fake
 from shardtrain.plan.trace_modes import CollectiveCounter, GlooCopies, flop_counter, real_device_meshes
 
@@ -159,11 +160,19 @@ def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module
         cp = ContextParallel(meshes.cp)
         cp.enable(model)
     if setup.dims.tp > 1:
-        from shardtrain.parallel.tensor import apply_tp
+        from shardtrain.parallel.expert import without_experts
+        from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
-        apply_tp(model, meshes.tp, None)
+        plan = model_tp_plan(model)
+        apply_tp(model, meshes.tp, without_experts(model, plan) if setup.dims.ep > 1 else plan, strict=False)
+    if setup.dims.ep > 1:
+        from shardtrain.parallel.expert import apply_ep
+        from shardtrain.plan.experts import register_uniform_all_to_all
+
+        apply_ep(model, meshes.ep, meshes.tp, ep_implementation=register_uniform_all_to_all())
     apply_fsdp(model, setup.fsdp_config, meshes.fsdp,
-               mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None)
+               mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None,
+               expert_mesh=meshes.efsdp, expert_grad_divide_factor=setup.dims.grad_average_size)
     return model, cp
 
 
@@ -255,7 +264,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     try:
         meshes = setup.dims.build("cpu")
         meta_model = with_adapters(build(), setup.lora_rank)
-        with FakeTensorMode() as mode, real_device_meshes():
+        with FakeTensorMode() as mode, GroupedMmShapes(), real_device_meshes():
             model, cp = _prepare(to_fake(meta_model, mode), setup, meshes)
             args = SimpleNamespace(weight_decay=0.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_epsilon=1e-8, optim=setup.optimizer)

@@ -82,9 +82,12 @@ class GlooCopies(TorchDispatchMode):
 
 
 def flop_counter() -> FlopCounterMode:
-    """PyTorch's FLOP counter, plus the CPU flash-attention kernels it has no formula for (SDPA on CPU, which the
-    trace runs, would otherwise count no attention FLOPs); the formulas are PyTorch's own SDPA ones."""
+    """PyTorch's FLOP counter, plus the kernels it has no formula for: the CPU flash-attention ones (SDPA on CPU,
+    which the trace runs, would otherwise count no attention FLOPs; the formulas are PyTorch's own SDPA ones) and
+    grouped matmuls."""
     from torch.utils import flop_counter
+
+    from shardtrain.plan.experts import grouped_mm_flops
 
     aten = torch.ops.aten
 
@@ -95,6 +98,7 @@ def flop_counter() -> FlopCounterMode:
         return flop_counter.sdpa_backward_flop_count(grad, query, key, value)
 
     return FlopCounterMode(display=False, custom_mapping={
+        aten._grouped_mm: grouped_mm_flops,  # the experts' matmuls (transformers' default experts implementation)
         aten._scaled_dot_product_flash_attention_for_cpu: forward,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
 
