@@ -20,6 +20,7 @@ CASES = {
     "output_unit_checkpointing": {"output_unit": True, "activation_checkpointing": True},
     "tied": {},
     "tied_checkpointing": {"activation_checkpointing": True, "reshard_after_forward": False},
+    "native_reduce_scatter": {"_env": {"SHARDTRAIN_GLOO_REDUCE_SCATTER": "native"}},
 }
 FOUR_RANK_ONLY = {"hybrid_shard": {"sharding_strategy": "hybrid_shard", "dp_shard_size": 2},
                   "hybrid_shard_zero2": {"sharding_strategy": 5, "dp_shard_size": 2}}
@@ -86,3 +87,22 @@ def test_root_stays_gathered_between_forward_and_backward(runs, case, layer_gath
     reshard_after_forward."""
     got, _ = _load(runs, "n2", case)
     assert got["gathered_after_forward"] == {"embedding (root)": True, "layer 0": layer_gathered}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_reduce_scatter_is_an_all_to_all_and_matches_gloos_own(runs, world):
+    """On gloo, FSDP2 reduces gradients with an all-to-all and a sum (parallel/gloo_comms.py) unless
+    SHARDTRAIN_GLOO_REDUCE_SCATTER=native; both give one process's training (test above), and on 2 ranks the same
+    bits as gloo's reduce-scatter (a + b either way), on 4 the same to float rounding (another summation order,
+    amplified by AdamW over the steps: the tolerance of the one-process comparison)."""
+    got, weights = _load(runs, f"n{world}", "default")
+    native, native_weights = _load(runs, f"n{world}", "native_reduce_scatter")
+    assert got["reduce_scatter"] == ["AllToAllReduceScatter"]
+    assert native["reduce_scatter"] == ["DefaultReduceScatter"]
+    if world == 2:
+        assert got["losses"] == native["losses"]
+        assert all(torch.equal(weights[k], native_weights[k]) for k in weights)
+    else:
+        assert got["losses"] == pytest.approx(native["losses"], abs=1e-5, rel=0)
+        for key in weights:
+            torch.testing.assert_close(weights[key], native_weights[key], atol=1e-5, rtol=0, msg=key)

@@ -20,6 +20,7 @@ CPU = "SHARDTRAIN_CPU"  # true: CPU + gloo even when GPUs are visible
 FAULT = "SHARDTRAIN_FAULT"  # tests only: "<point>:<rank>:<step>" SIGKILLs that rank there
 EXIT_TIMEOUT = "SHARDTRAIN_EXIT_TIMEOUT"  # seconds a finished rank waits at exit for its peers (default 60)
 CPU_ALLOCATOR = "SHARDTRAIN_CPU_ALLOCATOR"  # tuned (default) | default: glibc malloc settings on CPU runs
+GLOO_REDUCE_SCATTER = "SHARDTRAIN_GLOO_REDUCE_SCATTER"  # all_to_all (default) | native: FSDP2's gradient reduction
 
 TRUE_WORDS = values.TRUE_WORDS
 FALSE_WORDS = ("", *values.FALSE_WORDS)  # set but empty: false

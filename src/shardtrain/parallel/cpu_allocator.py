@@ -9,10 +9,15 @@ system time (benchmarks/README.md). `tune_cpu_allocator` raises the mmap thresho
 threshold to 512 MiB with `mallopt`, the same as `MALLOC_MMAP_THRESHOLD_=268435456
 MALLOC_TRIM_THRESHOLD_=536870912`, so freed buffers are reused: a 2-rank 50M step measured 1159 -> 903 ms, page
 faults 205 k -> 16 k per step, for +0.65 GiB peak RSS per rank (benchmarks/cpu_efficiency.json).
+It also limits malloc to one arena (`M_ARENA_MAX` 1, as `MALLOC_ARENA_MAX=1`): gloo's worker threads allocate
+the all-gather's flat buffer (65 MB for the 50M model's head), and a thread arena serves anything above its 64 MiB
+heap with `mmap`, whatever the threshold, so it was unmapped and faulted in again every step (16 k page faults
+per step); in the main arena it is reused: page faults 16 k -> ~0, system time 140-160 -> 100 ms per step
+(benchmarks/README.md). It is set before the process group starts gloo's threads.
 `init_distributed` calls it on CPU runs however they are started (launch, torchrun, plain python). It does
 nothing when the user set glibc's own settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`,
-`glibc.malloc.*` in `GLIBC_TUNABLES`: theirs win), with `SHARDTRAIN_CPU_ALLOCATOR=default`, or without glibc
-(musl, macOS). GPU runs are untouched: the CUDA caching allocator already keeps its memory.
+`MALLOC_ARENA_MAX`, `glibc.malloc.*` in `GLIBC_TUNABLES`: theirs win), with `SHARDTRAIN_CPU_ALLOCATOR=default`,
+or without glibc (musl, macOS). GPU runs are untouched: the CUDA caching allocator already keeps its memory.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import os
 
 from shardtrain.config import env
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameter numbers
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 512 << 20
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+ARENA_MAX = 1
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 CHOICES = ("tuned", "default")
 
 _applied: dict[str, int] | None = None
@@ -53,6 +59,7 @@ def tune_cpu_allocator() -> dict[str, int] | None:
         mallopt = None
     if mallopt is None:  # not glibc
         return None
-    if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
-        _applied = {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
+    if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) and \
+            mallopt(M_ARENA_MAX, ARENA_MAX):
+        _applied = {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD, "arena_max": ARENA_MAX}
     return _applied

@@ -29,6 +29,7 @@ from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device
 from shardtrain.parallel.expert import EP_FLAG, GRAD_RESCALE, expert_modules
+from shardtrain.parallel.gloo_comms import AllToAllReduceScatter, gloo_reduce_scatter_choice
 
 logger = logging.getLogger(__name__)
 
@@ -259,9 +260,13 @@ def apply_fsdp(
     fully_shard(model, **common)
 
     if dist.get_backend() == "gloo":
-        # gloo has no AVG/PREMUL_SUM: reduce with SUM and divide afterwards.
+        # gloo has no AVG/PREMUL_SUM: reduce with SUM and divide afterwards; and its reduce-scatter is 2-3x slower
+        # than an all-to-all and a sum (parallel/gloo_comms.py)
+        custom = AllToAllReduceScatter() if gloo_reduce_scatter_choice() == "all_to_all" else None
         for module in fsdp_modules(model):
             module.set_force_sum_reduction_for_comms(True)
+            if custom is not None:
+                module.set_custom_reduce_scatter(custom)
     if callable(getattr(model, "generate", None)):
         register_fsdp_forward_method(model, "generate")
         for module in model.modules():  # a PEFT model's generate calls its base model's

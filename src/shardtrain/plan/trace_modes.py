@@ -65,9 +65,11 @@ def _group_size(leaves: list) -> int:
 
 
 class GlooCopies(TorchDispatchMode):
-    """What gloo allocates that the fake process group does not: its reduce-scatter
-    (`ProcessGroupGloo::_reduce_scatter_base`) works on a clone of its input, a second input-sized buffer while
-    it runs (seen at the peak of bf16 runs). Entered above the tracker, so the tracker counts the clone."""
+    """What a reduce-scatter on gloo allocates that the fake process group does not: a second input-sized buffer
+    while it runs (seen at the peak of bf16 runs): the receive buffer of shardtrain's all-to-all reduce-scatter
+    (`parallel/gloo_comms.py`, the default on gloo), or gloo's clone of its input
+    (`ProcessGroupGloo::_reduce_scatter_base`, `SHARDTRAIN_GLOO_REDUCE_SCATTER=native`). Entered above the
+    tracker, so the tracker counts it."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if any(t is DTensor for t in types):

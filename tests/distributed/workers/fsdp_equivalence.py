@@ -2,11 +2,13 @@
 
 torchrun --nproc_per_node 2 fsdp_equivalence.py OUT_DIR '{"reshard_false": {"reshard_after_forward": false}}'
 python fsdp_equivalence.py OUT_DIR '{"plain": null, "plain_tied": null}'   (null config = no FSDP)
-A case named *tied* uses tied embeddings. Each rank trains on its contiguous slice of the global batch;
+A case named *tied* uses tied embeddings; a config's "_env" entry is set in os.environ for that case only. Each
+rank trains on its contiguous slice of the global batch;
 rank 0 writes OUT_DIR/CASE.json (losses, shard sizes) and OUT_DIR/CASE.pt (full weights).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +25,26 @@ STEPS, GLOBAL_BATCH = 4, 8
 
 
 def run_case(out: Path, name: str, config: dict | None) -> None:
+    environment = (config or {}).pop("_env", {})
+    saved = {k: os.environ.get(k) for k in environment}
+    os.environ.update(environment)
+    try:
+        _run_case(out, name, config)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _reduce_scatters(model: torch.nn.Module) -> list[str]:
+    """The reduce-scatter implementations FSDP2 uses in `model`'s units."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    return sorted({type(g._reduce_scatter_comm).__name__ for g in groups if g is not None})
+
+
+def _run_case(out: Path, name: str, config: dict | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tie = "tied" in name
     model = tiny_llama(tie=tie)
@@ -55,7 +77,8 @@ def run_case(out: Path, name: str, config: dict | None) -> None:
         result = {"losses": losses, "local_numels": numels, "full_numel": sum(p.numel() for p in model.parameters()),
                   "tied": model.lm_head.weight is model.model.embed_tokens.weight, "generated": tokens.tolist(),
                   "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
-                  "gathered_after_forward": gathered_after_forward}
+                  "gathered_after_forward": gathered_after_forward,
+                  "reduce_scatter": _reduce_scatters(model) if config is not None else []}
         (out / f"{name}.json").write_text(json.dumps(result))
 
 
