@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 --master_port 29511 \\
         benchmarks/worker.py --mode raw --size tiny --steps 60 --warmup 10 --out /tmp/raw_tiny.json
     # --mode raw | shardtrain | hf   (training throughput + memory, 2 ranks); raw_head: raw + a norm/lm_head unit;
-    #        shardtrain_glibc_malloc | shardtrain_no_shard | shardtrain_compile: variants (SHARDTRAIN_VARIANTS)
+    #        shardtrain_glibc_malloc | shardtrain_no_shard | shardtrain_compile | shardtrain_gloo_reduce_scatter |
+    #        shardtrain_thread_arenas: variants (SHARDTRAIN_VARIANTS)
     # --mode state --sizes tiny,50m  (model-state bytes per rank after one AdamW step, any number of ranks;
     #                                 --submeshes 1,2,4 on 4 ranks measures N = 1, 2, 4 in one launch)
     OMP_NUM_THREADS=1 python benchmarks/worker.py --mode single --sizes tiny,50m --steps 10 --warmup 2 \\
@@ -159,7 +160,22 @@ SHARDTRAIN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, s
     "shardtrain_glibc_malloc": ({}, {}, {"SHARDTRAIN_CPU_ALLOCATOR": "default"}),  # glibc's own malloc settings
     "shardtrain_no_shard": ({"sharding_strategy": "NO_SHARD"}, {}, {}),  # DDP-equivalent: replicate, all-reduce
     "shardtrain_compile": ({}, {"torch_compile": True}, {}),  # each FSDP unit compiled (inductor) before sharding
+    # the session-6 defaults, one change each: gloo's own reduce-scatter; glibc's per-thread malloc arenas
+    "shardtrain_gloo_reduce_scatter": ({}, {}, {"SHARDTRAIN_GLOO_REDUCE_SCATTER": "native"}),
+    "shardtrain_thread_arenas": ({}, {}, {"SHARDTRAIN_CPU_ALLOCATOR": "default"}),  # + thresholds, see below
 }
+
+
+def _thresholds_only() -> None:
+    """The allocator default without its one-arena setting (mallopt thresholds as cpu_allocator sets them)."""
+    import ctypes
+    import ctypes.util
+
+    from shardtrain.parallel import cpu_allocator as ca
+
+    mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    mallopt(ca.M_MMAP_THRESHOLD, ca.MMAP_THRESHOLD)
+    mallopt(ca.M_TRIM_THRESHOLD, ca.TRIM_THRESHOLD)
 
 
 def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
@@ -170,6 +186,8 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
 
     config_overrides, arg_overrides, environment = SHARDTRAIN_VARIANTS[cli.mode]
     os.environ.update(environment)
+    if cli.mode == "shardtrain_thread_arenas":
+        _thresholds_only()
     init_distributed()
     allocator = tune_cpu_allocator()  # what init_distributed set (None: glibc's own, or the user's settings)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -7,13 +7,13 @@ glibc serves allocations above its mmap threshold (128 KiB, rising to at most 32
 them on free, so every step faults hundreds of thousands of pages back in: about a third of a 50M step was
 system time (benchmarks/README.md). `tune_cpu_allocator` raises the mmap threshold to 256 MiB and the trim
 threshold to 512 MiB with `mallopt`, the same as `MALLOC_MMAP_THRESHOLD_=268435456
-MALLOC_TRIM_THRESHOLD_=536870912`, so freed buffers are reused: a 2-rank 50M step measured 1159 -> 903 ms, page
-faults 205 k -> 16 k per step, for +0.65 GiB peak RSS per rank (benchmarks/cpu_efficiency.json).
+MALLOC_TRIM_THRESHOLD_=536870912`, so freed buffers are reused.
 It also limits malloc to one arena (`M_ARENA_MAX` 1, as `MALLOC_ARENA_MAX=1`): gloo's worker threads allocate
 the all-gather's flat buffer (65 MB for the 50M model's head), and a thread arena serves anything above its 64 MiB
-heap with `mmap`, whatever the threshold, so it was unmapped and faulted in again every step (16 k page faults
-per step); in the main arena it is reused: page faults 16 k -> ~0, system time 140-160 -> 100 ms per step
-(benchmarks/README.md). It is set before the process group starts gloo's threads.
+heap with `mmap`, whatever the threshold, so it was unmapped and faulted in again every step; in the main arena it
+is reused: page faults 8 k -> 4 k, system time 132 -> 106 ms per step. It is set before the process group starts
+gloo's threads. Together, on a 2-rank 50M step: 1256 -> 762 ms, page faults 192 k -> 4 k per step, for +0.4-0.5
+GiB peak RSS per rank (benchmarks/cpu_efficiency.json, benchmarks/README.md).
 `init_distributed` calls it on CPU runs however they are started (launch, torchrun, plain python). It does
 nothing when the user set glibc's own settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`,
 `MALLOC_ARENA_MAX`, `glibc.malloc.*` in `GLIBC_TUNABLES`: theirs win), with `SHARDTRAIN_CPU_ALLOCATOR=default`,
