@@ -25,6 +25,32 @@ from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 
+def apply_parallelism(model: nn.Module, meshes: Any, dims: Any, fsdp_config: Any, *,
+                      tp_plan: dict[str, str] | None = None, mixed_precision: str | None = None,
+                      compile_options: dict[str, Any] | None = None, ep_implementation: str = "all_to_all",
+                      ) -> nn.Module:
+    """Tensor parallel, expert parallel, then activation checkpointing, compile and FSDP per unit (`apply_fsdp`),
+    in place: torchtitan's order, the one the Trainer applies and `shardtrain plan` traces.
+
+    Args:
+        model: the unsharded model on its device (context parallelism already enabled).
+        meshes, dims: `ParallelDims.build(...)`'s meshes and the sizes.
+        fsdp_config: the parsed `FSDPConfig`.
+        tp_plan: the user's tensor-parallel plan (each pattern must match a module) or None: the model's own.
+        mixed_precision: "bf16"/"fp16" or None/"no".
+        compile_options: `torch.compile` options per FSDP unit, or None (eager).
+        ep_implementation: transformers' `EPImplementationInterface` entry for the experts' token exchange.
+    """
+    if dims.tp > 1:
+        plan = tp_plan if tp_plan is not None else model_tp_plan(model)
+        apply_tp(model, meshes.tp, without_experts(model, plan) if dims.ep > 1 else plan, strict=tp_plan is not None)
+    if dims.ep > 1:
+        apply_ep(model, meshes.ep, meshes.tp, ep_implementation=ep_implementation)
+    apply_fsdp(model, fsdp_config, meshes.fsdp, mixed_precision=mixed_precision, expert_mesh=meshes.efsdp,
+               expert_grad_divide_factor=dims.grad_average_size, compile_options=compile_options)
+    return model
+
+
 class TrainingBackend:
     """FSDP2 on torch.distributed: one process per device; the base class of every backend.
 
@@ -82,16 +108,8 @@ class TrainingBackend:
                     "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
             return model
         model.to(self.device)
-        if dims.tp > 1:
-            plan = args.tp_plan if args.tp_plan is not None else model_tp_plan(model)
-            apply_tp(model, meshes.tp, without_experts(model, plan) if dims.ep > 1 else plan,
-                     strict=args.tp_plan is not None)
-        if dims.ep > 1:
-            apply_ep(model, meshes.ep, meshes.tp)
-        apply_fsdp(model, args.fsdp_config, meshes.fsdp, mixed_precision=args.mixed_precision,
-                   expert_mesh=meshes.efsdp, expert_grad_divide_factor=dims.grad_average_size,
-                   compile_options=compile_options)
-        return model
+        return apply_parallelism(model, meshes, dims, args.fsdp_config, tp_plan=args.tp_plan,
+                                 mixed_precision=args.mixed_precision, compile_options=compile_options)
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in batch.items()}

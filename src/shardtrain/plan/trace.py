@@ -149,9 +149,10 @@ def with_adapters(model: nn.Module, lora_rank: int) -> nn.Module:
 
 
 def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module, Any]:
-    """(LoRA is added before: `with_adapters`) context parallel -> tensor parallel -> FSDP, in the Trainer's order
-    (train/model_setup.py)."""
-    from shardtrain.parallel.fsdp import apply_fsdp
+    """(LoRA is added before: `with_adapters`) context parallel, then the Trainer's own `apply_parallelism`
+    (tensor parallel -> expert parallel, its token exchange under uniform routing -> FSDP)."""
+    from shardtrain.parallel.backend import apply_parallelism
+    from shardtrain.plan.experts import register_uniform_all_to_all
 
     cp = None
     if setup.dims.cp > 1:
@@ -159,20 +160,9 @@ def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module
 
         cp = ContextParallel(meshes.cp)
         cp.enable(model)
-    if setup.dims.tp > 1:
-        from shardtrain.parallel.expert import without_experts
-        from shardtrain.parallel.tensor import apply_tp, model_tp_plan
-
-        plan = model_tp_plan(model)
-        apply_tp(model, meshes.tp, without_experts(model, plan) if setup.dims.ep > 1 else plan, strict=False)
-    if setup.dims.ep > 1:
-        from shardtrain.parallel.expert import apply_ep
-        from shardtrain.plan.experts import register_uniform_all_to_all
-
-        apply_ep(model, meshes.ep, meshes.tp, ep_implementation=register_uniform_all_to_all())
-    apply_fsdp(model, setup.fsdp_config, meshes.fsdp,
-               mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None,
-               expert_mesh=meshes.efsdp, expert_grad_divide_factor=setup.dims.grad_average_size)
+    apply_parallelism(model, meshes, setup.dims, setup.fsdp_config,
+                      mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None,
+                      ep_implementation=register_uniform_all_to_all() if setup.dims.ep > 1 else "all_to_all")
     return model, cp
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -25,17 +26,8 @@ STEPS, GLOBAL_BATCH = 4, 8
 
 
 def run_case(out: Path, name: str, config: dict | None) -> None:
-    environment = (config or {}).pop("_env", {})
-    saved = {k: os.environ.get(k) for k in environment}
-    os.environ.update(environment)
-    try:
+    with mock.patch.dict(os.environ, (config or {}).pop("_env", {})):  # restored after the case
         _run_case(out, name, config)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _reduce_scatters(model: torch.nn.Module) -> list[str]:
