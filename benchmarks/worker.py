@@ -168,12 +168,9 @@ SHARDTRAIN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, s
 
 def _thresholds_only() -> None:
     """The allocator default without its one-arena setting (mallopt thresholds as cpu_allocator sets them)."""
-    import ctypes
-    import ctypes.util
-
     from shardtrain.parallel import cpu_allocator as ca
 
-    mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    mallopt = ca.glibc_mallopt()
     mallopt(ca.M_MMAP_THRESHOLD, ca.MMAP_THRESHOLD)
     mallopt(ca.M_TRIM_THRESHOLD, ca.TRIM_THRESHOLD)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable
 
 from shardtrain.config import env
 
@@ -36,6 +37,15 @@ USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARE
 CHOICES = ("tuned", "default")
 
 _applied: dict[str, int] | None = None
+
+
+def glibc_mallopt() -> Callable[[int, int], int] | None:
+    """glibc's `mallopt(param, value)` (returns 1 on success), or None without glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        return None
 
 
 def tune_cpu_allocator() -> dict[str, int] | None:
@@ -52,11 +62,7 @@ def tune_cpu_allocator() -> dict[str, int] | None:
     users = any(name in os.environ for name in USER_SETTINGS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
     if _applied is not None or choice == "default" or users:
         return _applied
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = glibc_mallopt()
     if mallopt is None:  # not glibc
         return None
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) and \
