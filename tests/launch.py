@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -69,3 +70,18 @@ def assert_same_training(root: Path, reference: str, name: str, tol: float = 1e-
     assert got_weights.keys() == ref_weights.keys()
     for key, value in ref_weights.items():
         assert (got_weights[key] - value).abs().max().item() < (weight_tol or tol), key
+
+
+class LogLines(logging.Handler):
+    """Keeps what a logger emits (INFO and up), for workers that report what a code path said: the messages,
+    and the `read_stats` a record carries (the sharded loader's bytes read)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        self.stats: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        if hasattr(record, "read_stats"):
+            self.stats.append(record.read_stats)

@@ -7,11 +7,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 
 def tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, vocab: int = 64,
-               hidden: int = 32) -> LlamaForCausalLM:
+               hidden: int = 32, attention_dropout: float = 0.0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tie, attn_implementation="eager")
+                         tie_word_embeddings=tie, attn_implementation="eager", attention_dropout=attention_dropout)
     model = LlamaForCausalLM(config)
     if tie:
         model.tie_weights()

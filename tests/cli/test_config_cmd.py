@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO, cli_cmd, cli_env, explain, run_cli
 
@@ -204,3 +205,15 @@ def test_questionnaire_on_a_terminal_asks_again_after_a_bad_answer(home: Path) -
     data = yaml.safe_load((home / "default_config.yaml").read_text())
     assert (data["use_cpu"], data["num_processes"], data["mixed_precision"]) == (True, 2, "fp16")
     assert data["distributed_type"] == "MULTI_CPU" and data["fsdp_config"] == {}
+
+
+@pytest.mark.parametrize("answer,written", [("selective", "selective"), ("full", True), ("yes", True),
+                                            ("no", False)])
+def test_activation_checkpointing_answers(home: Path, answer: str, written: bool | str) -> None:
+    """The questionnaire's activation checkpointing takes yes / full, selective or no; the file loads back."""
+    path = home / "default_config.yaml"
+    assert main(["config", "--default", "--activation_checkpointing", answer]) == 0
+    data = yaml.safe_load(path.read_text())
+    assert data["fsdp_config"]["fsdp_activation_checkpointing"] == written
+    config, _ = load_launch_config(path)
+    assert config.validate(str(path)).activation_checkpointing == written

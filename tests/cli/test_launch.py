@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -248,4 +249,7 @@ def test_max_restarts_recovers_from_a_dead_rank(home, tmp_path) -> None:
 def test_failed_script_exits_1_with_a_message(home) -> None:
     proc = run_cli("launch", "--cpu", "--num_processes", 2, SCRIPTS / "fail.py", home=home)
     assert proc.returncode == 1, explain(proc)
-    assert "fail.py failed (exit codes by global rank: {0: 3, 1: 3})" in proc.stderr, explain(proc)
+    # the rank that exits first fails the job; torchrun's agent then stops a peer still starting up with SIGTERM
+    # (-15), which happens on a busy machine: either rank may be that peer, and at least one exited 3 itself
+    found = re.search(r"fail\.py failed \(exit codes by global rank: \{0: (3|-15), 1: (3|-15)\}\)", proc.stderr)
+    assert found and "3" in found.groups(), explain(proc)

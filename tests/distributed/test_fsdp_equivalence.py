@@ -12,6 +12,7 @@ CASES = {
     "default": {},
     "reshard_false": {"reshard_after_forward": False},
     "activation_checkpointing": {"activation_checkpointing": True},
+    "selective_checkpointing": {"activation_checkpointing": "selective"},
     "size_based": {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 2000},
     "no_wrap": {"auto_wrap_policy": "NO_WRAP"},
     "no_shard": {"fsdp_sharding_strategy": "no_shard"},
@@ -25,13 +26,16 @@ CASES = {
 FOUR_RANK_ONLY = {"hybrid_shard": {"sharding_strategy": "hybrid_shard", "dp_shard_size": 2},
                   "hybrid_shard_zero2": {"sharding_strategy": 5, "dp_shard_size": 2}}
 TWO_RANK_ONLY = {"bf16": {"mixed_precision": "bf16"}}
+# attention dropout: rank slices draw other masks than one process would, so these compare at one world size
+DROPOUT = {"dropout": {}, "dropout_selective": {"activation_checkpointing": "selective"},
+           "dropout_full": {"activation_checkpointing": "full"}}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("equiv")
-    python(WORKER, str(root / "ref"), json.dumps({"plain": None, "plain_tied": None}))
-    torchrun(WORKER, 2, str(root / "n2"), json.dumps({**CASES, **TWO_RANK_ONLY}))
+    python(WORKER, str(root / "ref"), json.dumps({"plain": None, "plain_tied": None, **DROPOUT}))
+    torchrun(WORKER, 2, str(root / "n2"), json.dumps({**CASES, **TWO_RANK_ONLY, **DROPOUT}))
     torchrun(WORKER, 4, str(root / "n4"), json.dumps({**CASES, **FOUR_RANK_ONLY}))
     return root
 
@@ -52,6 +56,22 @@ def test_matches_single_process(runs, world, case):
         torch.testing.assert_close(weights[key], ref_weights[key], atol=1e-5, rtol=0, msg=key)
     assert got["tied"] == ("tied" in case)
     assert got["generated"] == ref["generated"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", ["dropout_selective", "dropout_full"])
+def test_checkpointing_with_dropout_equals_none(runs, world, case):
+    """Selective and full checkpointing recompute dropout from the stashed RNG state: the same masks, so the same
+    losses and weights as without checkpointing (FSDP2 on 1 and 2 ranks)."""
+    run = "ref" if world == 1 else f"n{world}"
+    ref, ref_weights = _load(runs, run, "dropout")
+    got, weights = _load(runs, run, case)
+    plain, _ = _load(runs, "ref", "plain")
+    assert ref["losses"][0] != pytest.approx(plain["losses"][0], abs=1e-4)  # dropout really drew masks
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6, rel=0)
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], atol=1e-6, rtol=0, msg=key)
 
 
 @pytest.mark.parametrize("world,case", [(2, "default"), (4, "default"), (2, "tied"), (4, "hybrid_shard")])

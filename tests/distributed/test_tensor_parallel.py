@@ -1,6 +1,7 @@
 """Tensor parallelism (the model's own plan) with FSDP2: tp 2 x dp_shard 2 on 4 ranks equals one process (losses,
 gradient norms, weights, greedy generation), with activation checkpointing too; its sharded checkpoint resumes
-bit-identically on the same layout and on 2 ranks without tp (1e-6)."""
+bit-identically on the same layout and on 2 ranks without tp (1e-6). With selective checkpointing (`tp2_sac`)
+its per-op policy sees DTensor ops."""
 
 import json
 from pathlib import Path
@@ -23,6 +24,8 @@ def runs(tmp_path_factory):
          "generate": True, "save_strategy": "steps", "save_steps": 5, "fsdp_config": SHARDED},
         {"out": str(root / "tp2_ac"), "per_device_train_batch_size": 4, "tp_size": 2, "weights": True,
          "fsdp_config": {"activation_checkpointing": True}},
+        {"out": str(root / "tp2_sac"), "per_device_train_batch_size": 4, "tp_size": 2, "weights": True,
+         "fsdp_config": {"activation_checkpointing": "selective"}},
         {"out": str(root / "tp2_resumed"), "per_device_train_batch_size": 4, "tp_size": 2, "resume": checkpoint,
          "fsdp_config": SHARDED}]))
     torchrun(WORKER, 2, json.dumps([{"out": str(root / "dp2_resumed"), "per_device_train_batch_size": 4,
@@ -30,7 +33,7 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2_ac"])
+@pytest.mark.parametrize("name", ["tp2", "tp2_ac", "tp2_sac"])
 def test_tp2_dp2_equals_one_process(runs, name):
     assert_same_training(runs, "ref", name)
 

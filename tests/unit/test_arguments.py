@@ -94,3 +94,11 @@ def test_ddp_timeout_and_save_async_are_checked(tmp_path):
     assert TrainingArguments(output_dir=str(tmp_path)).ddp_timeout == 1800  # Hugging Face's default
     with pytest.raises(TrainingArgumentsError, match="save_async"):
         TrainingArguments(output_dir=str(tmp_path), save_async="yes")
+
+
+def test_activation_checkpointing_argument_keeps_a_selective_fsdp_config(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, activation_checkpointing=True,
+                             fsdp_config={"activation_checkpointing": "selective"})
+    assert args.fsdp_config.activation_checkpointing == "selective"
+    assert TrainingArguments(output_dir=str(tmp_path), fsdp=True,
+                             activation_checkpointing=True).fsdp_config.activation_checkpointing is True

@@ -36,41 +36,65 @@ def dedupe_tied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the whole tensor (a DTensor's global shape, not its local shard)."""
+    return tensor.numel() * tensor.element_size()
+
+
+def plan_weight_files(sizes: dict[str, int], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, str]:
+    """Key -> file name for tensors of `sizes` (bytes, in state-dict order): one `model.safetensors` up to
+    `max_shard_bytes`, else `model-0000i-of-0000n.safetensors` filled in order as `save_pretrained` splits.
+
+    `write_full_checkpoint` (merge, checkpoints) and the sharded `save_model` path both use it, so the same
+    weights land in the same files whichever path wrote them.
+    """
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key, nbytes in sizes.items():
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    if len(groups) == 1:
+        return dict.fromkeys(groups[0], SINGLE_FILE)
+    names = [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    return {key: name for name, group in zip(names, groups) for key in group}
+
+
+def index_json(weight_map: dict[str, str], total_size: int) -> str:
+    """The text of `model.safetensors.index.json` (what `from_pretrained` reads for split weights)."""
+    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2)
+
+
+def write_config(out: Path, config: dict[str, Any]) -> None:
+    """`config.json` as every full-checkpoint writer here writes it."""
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
 def write_full_checkpoint(state_dict: dict[str, torch.Tensor], out_dir: str | Path, config: dict[str, Any] | None,
                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write `state_dict` as safetensors (split above `max_shard_bytes`) and `config.json`; returns file names."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in dedupe_tied(state_dict).items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    weight_map = plan_weight_files({k: tensor_nbytes(v) for k, v in tensors.items()}, max_shard_bytes)
+    shards: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    files = []
+        shards.setdefault(weight_map[key], {})[key] = tensor
     metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], out / SINGLE_FILE, metadata=metadata)
-        files.append(SINGLE_FILE)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out / name, metadata=metadata)
-            weight_map.update(dict.fromkeys(shard, name))
-            files.append(name)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2))
+    files = []
+    for name, shard in shards.items():
+        save_file(shard, out / name, metadata=metadata)
+        files.append(name)
+    if len(shards) > 1:
+        total = sum(tensor_nbytes(t) for t in tensors.values())
+        (out / INDEX_FILE).write_text(index_json(weight_map, total))
         files.append(INDEX_FILE)
     for name in files:
         os.chmod(out / name, 0o644)  # safetensors writes 0600; checkpoints are shared artefacts
     if config is not None:
-        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        write_config(out, config)
         files.append("config.json")
     return files
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtrain.checkpoint.errors import CheckpointError
-from shardtrain.checkpoint.full import read_full_checkpoint, write_full_checkpoint
+from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, read_full_checkpoint, write_full_checkpoint
 from shardtrain.checkpoint.layout import BASE_FILE, SHARDED_DIR
 from shardtrain.checkpoint.manager import checkpoint_kind
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
@@ -52,12 +52,16 @@ def load_sharded_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *,
-                     lora_base: str | Path | None = None) -> Path:
+                     lora_base: str | Path | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Write `checkpoint_dir`'s model as config.json + safetensors into `output_dir` (created if needed).
+
+    The files are those `Trainer.save_model` writes for the same weights and `max_shard_bytes` (both split with
+    `plan_weight_files`): `model.safetensors`, or `model-0000i-of-0000n.safetensors` + the index.
 
     Args:
         lora_base: for a LoRA checkpoint (adapters only), the directory of its base model; the output is the base
             with the adapters merged in.
+        max_shard_bytes: above this the weights are split into several files.
 
     Raises:
         FileNotFoundError: `checkpoint_dir` does not exist.
@@ -77,19 +81,20 @@ def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *,
             if has_adapters else f"{source} holds a whole model, not LoRA adapters; drop --merge-lora / --base")
     state = load_sharded_model(source) if kind == "SHARDED_STATE_DICT" else read_full_checkpoint(source)
     if has_adapters:
-        return _merge_adapters(source, state, Path(lora_base), out)
+        return _merge_adapters(source, state, Path(lora_base), out, max_shard_bytes)
     config_file = source / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else None
     aliases_file = source / "tied_weights.json"
     if aliases_file.is_file():  # DCP stores a tied weight under each name; save_model writes it once
         for alias in json.loads(aliases_file.read_text()):
             state.pop(alias, None)
-    write_full_checkpoint(state, out, config)
+    write_full_checkpoint(state, out, config, max_shard_bytes)
     return out
 
 
 
-def _merge_adapters(source: Path, adapters: dict[str, torch.Tensor], base_dir: Path, out: Path) -> Path:
+def _merge_adapters(source: Path, adapters: dict[str, torch.Tensor], base_dir: Path, out: Path,
+                    max_shard_bytes: int) -> Path:
     """Base from `base_dir` + the checkpoint's adapters -> merged model in `out`."""
     from peft import PeftConfig, get_peft_model
 
@@ -109,5 +114,5 @@ def _merge_adapters(source: Path, adapters: dict[str, torch.Tensor], base_dir: P
         raise CheckpointError(f"{source} does not fit the adapted base: unexpected {unexpected[:3]}, missing "
                               f"{absent[:3]}; was it written with this adapter_config.json?")
     merged = model.merge_and_unload()
-    write_full_checkpoint(merged.state_dict(), out, model_config_dict(merged))
+    write_full_checkpoint(merged.state_dict(), out, model_config_dict(merged), max_shard_bytes)
     return out

@@ -51,6 +51,16 @@ def _yes_no(text: str, answers: Answers) -> bool:
         raise ValueError("answer yes or no") from None
 
 
+def _activation_checkpointing(text: str, answers: Answers) -> bool | str:
+    """yes / full (recompute each unit), selective (per op), or no."""
+    if text.strip().lower() == "selective":
+        return "selective"
+    try:
+        return as_bool("answer", "true" if text.strip().lower() == "full" else text, ValueError)
+    except ValueError:
+        raise ValueError("answer yes (full), selective or no") from None
+
+
 def _int(
     minimum: int, maximum: Callable[[Answers], int | None] = lambda a: None
 ) -> Callable[[str, Answers], int]:
@@ -145,8 +155,8 @@ QUESTIONS = (
              _fsdp),
     Question("cpu_ram_efficient_loading", "Load weights on rank 0 only, broadcast them?" + _YN, _yes_no,
              _fsdp),
-    Question("activation_checkpointing", "Activation checkpointing (recompute in backward)?" + _YN, _yes_no,
-             _fsdp),
+    Question("activation_checkpointing", "Activation checkpointing (recompute in backward)? (yes = full / "
+             "selective = keep matmul and attention outputs / no)", _activation_checkpointing, _fsdp),
 )
 _FSDP_KEYS = ("reshard_after_forward", "cpu_offload", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
               "min_num_params", "state_dict_type", "cpu_ram_efficient_loading", "activation_checkpointing")

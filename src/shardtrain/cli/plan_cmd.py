@@ -28,6 +28,15 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, help_: str) -> None:
     parser.add_argument(f"--{name}", nargs="?", const=True, default=None, type=_on_off, metavar="BOOL", help=help_)
 
 
+def _ac_value(text: str) -> bool | str:
+    from shardtrain.config.fsdp_config import FSDPConfigError, parse_activation_checkpointing
+
+    try:
+        return parse_activation_checkpointing(text)
+    except FSDPConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `shardtrain plan` on the top-level subparsers."""
     plan = subparsers.add_parser(
@@ -46,17 +55,23 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens")
     plan.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
     plan.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
-    _bool_flag(plan, "activation-checkpointing", "override fsdp_config activation_checkpointing")
+    plan.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, type=_ac_value,
+                      metavar="MODE", help="override fsdp_config activation_checkpointing: true / full (the flag "
+                      "alone), selective, or false / none")
     _bool_flag(plan, "cpu-offload", "override fsdp_config cpu_offload")
     _bool_flag(plan, "reshard-after-forward", "override fsdp_config reshard_after_forward")
     plan.add_argument("--optimizer", default="adamw_torch_fused", help="adamw_torch_fused (default) or adamw_torch")
     plan.add_argument("--lora-rank", type=int, default=0, help="LoRA rank: adapters on every linear but the head")
+    plan.add_argument("--loss-chunk-size", metavar="TOKENS|auto",
+                      help="as TrainingArguments.loss_chunk_size: LM head + cross entropy that many tokens at a time")
     plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: does it fit, and what would")
     plan.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
                       help="training device kind (cpu: offloaded state counts too)")
     plan.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s (default: measured here)")
     plan.add_argument("--link-gbps", type=float, help="link rate per rank in GB/s (default: a local stand-in)")
     plan.add_argument("--no-step-time", action="store_true", help="skip the step-time estimate")
+    plan.add_argument("--no-what-if", action="store_true",
+                      help="trace only the planned activation-checkpointing mode (one trace: faster for big models)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(func=run_plan)
     return plan
@@ -74,7 +89,8 @@ def run_plan(args: argparse.Namespace) -> int:
                       activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
                       reshard_after_forward=args.reshard_after_forward, optimizer=args.optimizer,
                       lora_rank=args.lora_rank, device_memory=args.device_memory, target=args.target,
-                      tflops=args.tflops, link_gbps=args.link_gbps, estimate_step_time=not args.no_step_time)
+                      tflops=args.tflops, link_gbps=args.link_gbps, estimate_step_time=not args.no_step_time,
+                      what_if=not args.no_what_if, loss_chunk_size=args.loss_chunk_size)
     except UserError as err:  # FSDPConfigError, ParallelDimsError, PlanError: the message names the fix
         print(f"error: {err}", file=sys.stderr)
         return 2

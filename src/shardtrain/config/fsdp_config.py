@@ -21,6 +21,11 @@ from shardtrain.errors import UserError
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
+# `activation_checkpointing` values: what each spelling means (stored as False / True / "selective", so that
+# `if config.activation_checkpointing:` keeps meaning "some checkpointing" everywhere)
+AC_MODES = ("none", "full", "selective")
+_AC_SPELLINGS: dict[str, bool | str] = {"false": False, "none": False, "no": False, "true": True, "full": True,
+                                        "yes": True, "selective": "selective"}
 
 # Legacy strategy -> (reshard_after_forward, replicate_only, hybrid). Names and Accelerate's integers.
 SHARDING_STRATEGIES: dict[str, tuple[bool, bool, bool]] = {
@@ -63,6 +68,25 @@ def _normalize_strategy(value: Any) -> str:
                           f"{sorted(SHARDING_STRATEGIES)} or 1-5")
 
 
+def parse_activation_checkpointing(value: Any) -> bool | str:
+    """The `activation_checkpointing` key: False (none), True (full: recompute each unit) or "selective".
+
+    Accepts booleans and the strings "false"/"none", "true"/"full", "selective" (any case).
+
+    Raises:
+        FSDPConfigError: any other value (names the key, the value and the allowed ones).
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _AC_SPELLINGS:
+        return _AC_SPELLINGS[value.strip().lower()]
+    per_layer = (" (checkpointing every Nth layer is not supported: use \"selective\" or true)"
+                 if isinstance(value, int) else "")
+    raise FSDPConfigError(f"fsdp_config key 'activation_checkpointing' got {value!r}{per_layer}; expected true or "
+                          f"\"full\" (recompute each FSDP unit in backward), \"selective\" (save matmul and "
+                          f"attention outputs, recompute the rest) or false / \"none\"")
+
+
 def parse_fsdp_option(fsdp: bool | str | list[str] | None) -> tuple[bool, dict[str, Any]]:
     """Read `TrainingArguments.fsdp` (`True`, or legacy strings like "full_shard auto_wrap").
 
@@ -103,6 +127,7 @@ class FSDPConfig:
 
     Attributes mirror the `fsdp_config` keys of Hugging Face Trainer (FSDP2). Derived from a legacy
     `sharding_strategy`: `replicate_only` (no_shard) and `hybrid` (2-D mesh: replicate x shard).
+    `activation_checkpointing` is False, True (full) or "selective" (per-op; see `ac_mode`).
     """
 
     version: int = 2
@@ -113,7 +138,7 @@ class FSDPConfig:
     min_num_params: int = 100_000_000
     state_dict_type: str = "FULL_STATE_DICT"
     cpu_ram_efficient_loading: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
     output_unit: bool | str = "auto"
     mixed_precision: str | None = None
     sharding_strategy: str | None = None
@@ -187,10 +212,10 @@ class FSDPConfig:
                 raise FSDPConfigError(f"fsdp_config key {key!r} got {value!r} ({type(value).__name__}); "
                                       f"expected {allowed}")
 
-        for key in ("cpu_offload", "cpu_ram_efficient_loading", "activation_checkpointing", "xla",
-                    "xla_fsdp_grad_ckpt", "xla_fsdp_v2"):
+        for key in ("cpu_offload", "cpu_ram_efficient_loading", "xla", "xla_fsdp_grad_ckpt", "xla_fsdp_v2"):
             self._coerce_bool(key)
             check_type(key, (bool,), "true or false")
+        self.activation_checkpointing = parse_activation_checkpointing(self.activation_checkpointing)
         if self.version == 1 or self.version == "1":
             raise FSDPConfigError("fsdp_config key 'version' is 1: FSDP1 is not supported by shardtrain; "
                                   "set 'version': 2 (FSDP2, the default)")
@@ -252,6 +277,15 @@ class FSDPConfig:
         if self.activation_checkpointing and self.xla_fsdp_grad_ckpt:
             raise FSDPConfigError("fsdp_config sets both 'activation_checkpointing' and 'xla_fsdp_grad_ckpt'; "
                                   "keep one (xla_fsdp_grad_ckpt on TPU, activation_checkpointing elsewhere)")
+
+    @property
+    def ac_mode(self) -> str:
+        """`activation_checkpointing` as one of `AC_MODES`: "none", "full" or "selective".
+
+        Parsed again here, since code may set the attribute after `load` (e.g. `"none"`, which is truthy).
+        """
+        value = parse_activation_checkpointing(self.activation_checkpointing)
+        return "selective" if value == "selective" else ("full" if value else "none")
 
     def apply_sharding_strategy(self, strategy: Any, explicit_reshard: bool = False) -> None:
         """Map a legacy strategy (name or Accelerate integer) onto FSDP2 settings."""

@@ -11,6 +11,7 @@ the default; `XlaBackend` (`shardtrain.parallel.xla`) is chosen by `fsdp_config`
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from shardtrain.checkpoint.state_access import TorchStates
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_fsdp
+from shardtrain.parallel.loading import fill_from_rank0
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 
@@ -107,9 +109,39 @@ class TrainingBackend:
                     "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
                     "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
             return model
-        model.to(self.device)
-        return apply_parallelism(model, meshes, dims, args.fsdp_config, tp_plan=args.tp_plan,
-                                 mixed_precision=args.mixed_precision, compile_options=compile_options)
+        from_rank0 = args.fsdp_config.cpu_ram_efficient_loading and self._weights_from_rank0(model)
+        full_state = model.state_dict() if from_rank0 and self.rank == 0 else {}  # the unsharded tensors
+        if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            model.to(self.device)
+        apply_parallelism(model, meshes, dims, args.fsdp_config, tp_plan=args.tp_plan,
+                          mixed_precision=args.mixed_precision, compile_options=compile_options)
+        if from_rank0:
+            fill_from_rank0(model, full_state, self.device)
+        return model
+
+    def _weights_from_rank0(self, model: nn.Module) -> bool:
+        """`cpu_ram_efficient_loading` with a model object: whether ranks > 0 built it on the meta device and
+        take rank 0's weights (collective). A model loaded in full on every rank is kept, with a warning."""
+        from shardtrain.train.arguments import TrainingArgumentsError
+
+        if self.world_size == 1:
+            return False
+        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        flags = self.all_gather(torch.tensor([float(on_meta)], device=self.device))
+        if flags[0].item():
+            raise TrainingArgumentsError(
+                "fsdp_config 'cpu_ram_efficient_loading': rank 0's model is on the meta device, but rank 0 must hold "
+                "the weights the other ranks receive; load the model for real on rank 0 (or pass its directory as "
+                "Trainer(model=PATH), which every rank then reads its shards of)")
+        if any(flag.item() for flag in flags[1:]):
+            return True
+        if self.rank == 0:
+            warnings.warn(
+                "fsdp_config 'cpu_ram_efficient_loading' saved no memory: the model was passed already loaded on "
+                "every rank (transformers' from_pretrained reads every weight on each rank). Pass the model's "
+                "directory as Trainer(model=PATH) so that each rank reads only its shards, or build the model on "
+                "the meta device on ranks > 0 (they then receive rank 0's weights)", stacklevel=3)
+        return False
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in batch.items()}

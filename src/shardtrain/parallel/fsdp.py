@@ -1,8 +1,8 @@
 """Apply FSDP2 to a model from outside: choose units, checkpoint activations, `fully_shard`, root last.
 
-Order (as torchtitan's `parallelize_*`): activation checkpointing on each unit -> `fully_shard` each unit
-(post-order, so nested units come first) -> one non-resharding unit for final norm + lm_head (when
-`output_unit` asks for it; "auto": when the head is at least as big as a layer) -> root.
+Order (as torchtitan's `parallelize_*`): activation checkpointing (full or selective) on each unit ->
+`fully_shard` each unit (post-order, so nested units come first) -> one non-resharding unit for final norm +
+lm_head (when `output_unit` asks for it; "auto": when the head is at least as big as a layer) -> root.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -26,6 +25,7 @@ from torch.distributed.fsdp import (
 )
 
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
+from shardtrain.parallel.activation_checkpoint import wrap_checkpointing
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device
 from shardtrain.parallel.expert import EP_FLAG, GRAD_RESCALE, expert_modules
@@ -147,20 +147,6 @@ def _numel(modules: list[nn.Module]) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
 
 
-def _wrap_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
-    """Replace each unit in its parent by a `checkpoint_wrapper` around it; returns the wrappers."""
-    wrapped: list[nn.Module] = []
-    targets = {id(u) for u in units}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if id(child) in targets:
-                wrapper = checkpoint_wrapper(child, preserve_rng_state=True)
-                parent.register_module(name, wrapper)
-                wrapped.append(wrapper)
-    order = {id(u): i for i, u in enumerate(units)}
-    return sorted(wrapped, key=lambda w: order[id(w._checkpoint_wrapped_module)])
-
-
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     """Every FSDP unit of a sharded model, root included."""
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -225,11 +211,12 @@ def apply_fsdp(
     # experts prepared by apply_ep are units over the expert mesh (below), whatever the wrap policy picks
     units = [unit for unit in find_fsdp_units(model, config) if not getattr(unit, EP_FLAG, False)]
     head = output_unit(model, units, tied, config)
-    if config.activation_checkpointing:
+    if config.ac_mode != "none":
         if not units:
             raise FSDPConfigError("fsdp_config 'activation_checkpointing' needs FSDP units to checkpoint, but "
                                   "auto_wrap_policy found none; use TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP")
-        units = _wrap_checkpointing(model, units)
+        # "full" recomputes each unit; "selective" keeps matmul / attention outputs (activation_checkpoint.py)
+        units = wrap_checkpointing(model, units, config.ac_mode)
         if getattr(getattr(model, "config", None), "use_cache", False):
             # A KV cache filled in forward would be filled again by the recomputation (as HF does for
             # gradient checkpointing, turn it off for training; generate still works, without cache reuse).

@@ -64,8 +64,22 @@ def device_peak(trace: StepTrace, cpu_offload: bool, target: str) -> int:
     return trace.peak
 
 
-def memory_rows(trace: StepTrace, ac_trace: StepTrace | None, no_ac_trace: StepTrace | None) -> list[MemoryRow]:
-    """Rows of the table: training state, the largest gathered units, activations, logits and loss, the peak."""
+# row labels of the activation-checkpointing modes ("with AC" is full checkpointing, as before selective existed;
+# "sel. AC" keeps the name within the table's 32-character column)
+_AC_LABELS = {"none": "no AC", "selective": "sel. AC", "full": "with AC"}
+# what to suggest when the peak does not fit: the modes that keep less than the current one, in that order
+_STRONGER = {"none": ("selective", "full"), "selective": ("full",), "full": ()}
+_AC_CHANGES = {"selective": 'activation_checkpointing: "selective"', "full": "activation_checkpointing: true"}
+
+
+def memory_rows(trace: StepTrace, ac_traces: dict[str, StepTrace]) -> list[MemoryRow]:
+    """Rows of the table: training state, the largest gathered units, activations, logits and loss, the peak.
+
+    Args:
+        trace: the planned step.
+        ac_traces: the step traced per activation-checkpointing mode ("none", "selective", "full"); one
+            "activations per layer" row for each.
+    """
     snap = trace.peak_breakdown
     units = sorted(trace.units, key=lambda u: -u[1])
     two = sum(size for _, size in units[:2])
@@ -76,15 +90,21 @@ def memory_rows(trace: StepTrace, ac_trace: StepTrace | None, no_ac_trace: StepT
         MemoryRow("largest unit, all-gathered", units[0][1] if units else 0, units[0][0] if units else ""),
         MemoryRow("2 units in flight (prefetch)", two, "+".join(name for name, _ in units[:2])),
     ]
-    for label, layer_trace in (("no AC", no_ac_trace), ("with AC", ac_trace)):
+    for mode, label in _AC_LABELS.items():
+        layer_trace = ac_traces.get(mode)
         if layer_trace is not None and layer_trace.layer_activations:
             sizes = [size for _, size in layer_trace.layer_activations]
             typical = max(set(sizes), key=lambda s: (sizes.count(s), s))  # the repeated (decoder) layers
             rows.append(MemoryRow(f"activations per layer ({label})", typical,
                                   f"kept for backward by each of {sizes.count(typical)} layers"))
+    chunk = trace.loss_chunk_size
     rows += [
-        MemoryRow("logits", trace.logits, "model output, until the loss"),
+        MemoryRow("logits", trace.logits, "model output, until the loss" if not chunk else
+                  f"none for the whole micro-batch (loss_chunk_size {chunk})"),
         MemoryRow("loss buffers", trace.loss_buffers, "kept by the loss for backward (fp32 log-probs)"),
+        MemoryRow("loss part (head + loss)", trace.loss_peak,
+                  "most bytes above the head's input, forward to its gradient" +
+                  (f"; {chunk} tokens per chunk" if chunk else "; unchunked")),
         MemoryRow("at the peak: sharded state", _sum(snap, STATE_PARAM + STATE_GRAD + STATE_OPT),
                   "parameters + gradients + optimizer state"),
         MemoryRow("at the peak: gathered params", _sum(snap, GATHERED), "unsharded parameters + all-gather buffers"),
@@ -95,12 +115,15 @@ def memory_rows(trace: StepTrace, ac_trace: StepTrace | None, no_ac_trace: StepT
     return rows
 
 
-def fit_advice(trace: StepTrace, ac_trace: StepTrace | None, device_memory: int, *, cpu_offload: bool,
-               activation_checkpointing: bool, target: str, world_size: int, fixed: int) -> dict:
+def fit_advice(trace: StepTrace, ac_traces: dict[str, StepTrace], device_memory: int, *, cpu_offload: bool,
+               ac_mode: str, target: str, world_size: int, fixed: int) -> dict:
     """Whether the peak fits `device_memory`, the smallest world size that fits (the sharded state scales with
     1 / dp_shard; the rest does not), and single changes of settings that fit at this world size.
 
     Args:
+        ac_traces: the step per activation-checkpointing mode; each mode that keeps less than `ac_mode`
+            (none < selective < full) and was traced becomes an option.
+        ac_mode: the planned mode ("none", "selective" or "full").
         fixed: product of the sizes that stay (dp_replicate x cp x tp); the world size grows with dp_shard.
     """
     if device_memory <= 0:
@@ -116,9 +139,10 @@ def fit_advice(trace: StepTrace, ac_trace: StepTrace | None, device_memory: int,
             smallest = dp_shard * fixed
             break
     options = []
-    if not activation_checkpointing and ac_trace is not None:
-        ac_peak = device_peak(ac_trace, cpu_offload, target)
-        options.append({"change": "activation_checkpointing: true", "peak": ac_peak, "fits": ac_peak <= device_memory})
+    for mode in _STRONGER[ac_mode]:
+        if mode in ac_traces:
+            ac_peak = device_peak(ac_traces[mode], cpu_offload, target)
+            options.append({"change": _AC_CHANGES[mode], "peak": ac_peak, "fits": ac_peak <= device_memory})
     if not cpu_offload and target != "cpu":
         off = trace.peak_offloaded_device
         options.append({"change": "cpu_offload: true", "peak": off, "fits": off <= device_memory})

@@ -18,19 +18,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.config.fsdp_config import AC_MODES, FSDPConfig, parse_activation_checkpointing
 from shardtrain.parallel.dims import ParallelDims
+from shardtrain.plan.lifecycle import PhaseMemory, lifecycle_rows
 from shardtrain.plan.memory import MemoryRow, device_peak, fit_advice, memory_rows, parse_bytes
 from shardtrain.plan.model_source import PlanError, model_builder
 from shardtrain.plan.trace import StepSetup, StepTrace, trace_step
 
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+_AC_VALUES: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective"}  # fsdp_config values
 TARGETS = ("cuda", "cpu")
 
 
 @dataclass
 class Plan:
-    """The result of `plan`: the inputs as resolved, the traced steps, the memory rows, fit and step time."""
+    """The result of `plan`: the inputs as resolved, the traced steps, the memory rows, fit and step time.
+
+    `lifecycle` holds the load / step / save rows (per-rank host and device bytes, `plan/lifecycle.py`).
+    `what_if_ac` is the step traced with activation checkpointing flipped (none <-> full; selective -> full),
+    `ac_traces` every traced activation-checkpointing mode ("none", "selective", "full"), the planned one included.
+    """
 
     model: str
     settings: dict[str, Any]
@@ -40,6 +47,8 @@ class Plan:
     fit: dict | None = None
     step: dict | None = None
     what_if_ac: StepTrace | None = field(default=None, repr=False)
+    ac_traces: dict[str, StepTrace] = field(default_factory=dict, repr=False)
+    lifecycle: list[PhaseMemory] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain JSON types (bytes as ints)."""
@@ -63,6 +72,8 @@ def _positive(name: str, value: Any) -> int:
 def _fsdp_config(fsdp_config: dict | str | os.PathLike | FSDPConfig | None, overrides: dict[str, Any]) -> FSDPConfig:
     """Parse like the Trainer (`FSDPConfig.load`), with the planner's flags applied on top."""
     given = {k: v for k, v in overrides.items() if v is not None}
+    if "activation_checkpointing" in given:  # "none" / "full" / "selective" as the stored False / True / "selective"
+        given["activation_checkpointing"] = parse_activation_checkpointing(given["activation_checkpointing"])
     if isinstance(fsdp_config, FSDPConfig):
         return dataclasses.replace(fsdp_config, **given)
     if isinstance(fsdp_config, str | os.PathLike):
@@ -74,15 +85,28 @@ def _fsdp_config(fsdp_config: dict | str | os.PathLike | FSDPConfig | None, over
     return FSDPConfig.load({**(fsdp_config or {}), **given})
 
 
+def _lifecycle(trace: StepTrace, config: FSDPConfig, world_size: int, target: str, device_peak_: int
+               ) -> list[PhaseMemory]:
+    """The load / step / save rows; under CPU offload on an accelerator the step's sharded state is host memory."""
+    offloaded = trace.peak - trace.peak_offloaded_device if config.cpu_offload and target != "cpu" else 0
+    state = trace.state["parameters"] + trace.state["optimizer_state"]  # gradients are freed after each step
+    return lifecycle_rows(trace.tensors, world_size=world_size, target=target, cpu_offload=config.cpu_offload,
+                          cpu_ram_efficient_loading=config.cpu_ram_efficient_loading,
+                          state_dict_type=config.state_dict_type, step_device=device_peak_, step_host=offloaded,
+                          training_state=state,
+                          largest_local_state=max((t.local_bytes for t in trace.tensors), default=0))
+
+
 def plan(model: str | os.PathLike | nn.Module | Any, *,
          fsdp_config: dict | str | os.PathLike | FSDPConfig | None = None,
          world_size: int | None = None, dp_replicate: int | None = None, dp_shard: int | None = None, cp: int = 1,
          tp: int = 1, ep: int = 1, per_device_batch: int = 1, seq_len: int = 2048, gradient_accumulation_steps: int = 1,
          bf16: bool = False,
-         activation_checkpointing: bool | None = None, cpu_offload: bool | None = None,
+         activation_checkpointing: bool | str | None = None, cpu_offload: bool | None = None,
          reshard_after_forward: bool | None = None, optimizer: str = "adamw_torch_fused", lora_rank: int = 0,
          device_memory: str | int | None = None, target: str = "cuda", tflops: float | None = None,
-         link_gbps: float | None = None, estimate_step_time: bool = True, what_if: bool = True) -> Plan:
+         link_gbps: float | None = None, estimate_step_time: bool = True, what_if: bool = True,
+         loss_chunk_size: int | str | None = None) -> Plan:
     """Predict what each rank holds during a Trainer step, and how long the step takes.
 
     Args:
@@ -93,7 +117,8 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         per_device_batch, seq_len: the batch one rank sees (full sequence length; cp splits it).
         gradient_accumulation_steps: micro-batches per step (> 1: unsharded gradients stay between them).
         bf16: mixed precision (bf16 parameters in compute, fp32 gradient reduction), as `TrainingArguments.bf16`.
-        activation_checkpointing, cpu_offload, reshard_after_forward: override those fsdp_config keys.
+        activation_checkpointing, cpu_offload, reshard_after_forward: override those fsdp_config keys
+            (activation_checkpointing: True / "full", "selective" or False, as the fsdp_config key).
         optimizer: "adamw_torch_fused" (the Trainer's default) or "adamw_torch".
         lora_rank: > 0: LoRA adapters of that rank on every linear layer but the head (the base frozen).
         device_memory: e.g. "80GiB": say whether the peak fits, and what would make it fit.
@@ -101,7 +126,9 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
             clones its input; everything on one memory).
         tflops, link_gbps: the step-time rates; a missing one is measured on this machine.
         estimate_step_time: False: skip the rate calibration and the step time.
-        what_if: also trace the other activation-checkpointing setting (per-layer rows and advice).
+        what_if: also trace the other activation-checkpointing modes (per-layer rows and advice).
+        loss_chunk_size: as `TrainingArguments.loss_chunk_size`: the LM head and cross entropy run that many
+            tokens at a time ("auto": the Trainer's choice; a model where it is not exact falls back / raises alike).
 
     Raises:
         PlanError, FSDPConfigError, ParallelDimsError: an input that cannot be used (the message names it).
@@ -134,28 +161,40 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         raise PlanError(f"seq_len = {seq_len} with cp = {dims.cp}: context parallelism splits each sequence into "
                         f"2 x cp chunks; use a multiple of {2 * dims.cp}")
     precision = "bf16" if bf16 else (config.mixed_precision or "no")
+    try:
+        from shardtrain.train.chunked_loss import ChunkedLossError, parse_setting
+
+        loss_chunk_size = parse_setting(loss_chunk_size)
+    except ChunkedLossError as err:
+        raise PlanError(str(err).replace("TrainingArguments.", "")) from None
     setup = StepSetup(dims=dims, fsdp_config=config, per_device_batch=per_device_batch, seq_len=seq_len,
                       mixed_precision=precision, optimizer=optimizer, lora_rank=lora_rank,
-                      backend="gloo" if target == "cpu" else "nccl", gradient_accumulation_steps=accumulation)
+                      backend="gloo" if target == "cpu" else "nccl", gradient_accumulation_steps=accumulation,
+                      loss_chunk_size=loss_chunk_size)
     trace = trace_step(build, setup)
-    other = None
+    ac_traces = {config.ac_mode: trace}
     if what_if and trace.units:
-        flipped = dataclasses.replace(config, activation_checkpointing=not config.activation_checkpointing)
-        other = trace_step(build, dataclasses.replace(setup, fsdp_config=flipped))
-    ac_trace, no_ac_trace = (trace, other) if config.activation_checkpointing else (other, trace)
+        # the same step under each other mode: selective AC's policy runs inside the traced checkpoint wrappers
+        for mode in AC_MODES:
+            if mode not in ac_traces:
+                changed = dataclasses.replace(config, activation_checkpointing=_AC_VALUES[mode])
+                ac_traces[mode] = trace_step(build, dataclasses.replace(setup, fsdp_config=changed))
+    other = ac_traces.get("none" if config.ac_mode == "full" else "full")
     kept = ("reshard_after_forward", "cpu_offload", "activation_checkpointing", "auto_wrap_policy",
-            "transformer_layer_cls_to_wrap", "output_unit")
+            "transformer_layer_cls_to_wrap", "output_unit", "cpu_ram_efficient_loading", "state_dict_type")
     settings = {"world_size": dims.world_size, "parallel": dims.describe(), "per_device_batch": per_device_batch,
                 "seq_len": seq_len, "gradient_accumulation_steps": accumulation, "mixed_precision": precision,
                 "optimizer": optimizer, "lora_rank": lora_rank, "target": target, "backend": setup.backend,
+                "loss_chunk_size": trace.loss_chunk_size,
                 "fsdp_config": {k: v for k, v in config.to_dict().items() if k in kept}}
     peak = device_peak(trace, config.cpu_offload, target)
-    result = Plan(model=name, settings=settings, trace=trace, rows=memory_rows(trace, ac_trace, no_ac_trace),
-                  peak=peak, what_if_ac=other)
+    result = Plan(model=name, settings=settings, trace=trace, rows=memory_rows(trace, ac_traces),
+                  peak=peak, what_if_ac=other, ac_traces=ac_traces,
+                  lifecycle=_lifecycle(trace, config, dims.world_size, target, peak))
     if device_memory is not None:
         fixed = dims.dp_replicate * dims.cp * dims.tp
-        result.fit = fit_advice(trace, ac_trace, parse_bytes(device_memory), cpu_offload=config.cpu_offload,
-                                activation_checkpointing=config.activation_checkpointing, target=target,
+        result.fit = fit_advice(trace, ac_traces, parse_bytes(device_memory), cpu_offload=config.cpu_offload,
+                                ac_mode=config.ac_mode, target=target,
                                 world_size=dims.world_size, fixed=fixed)
     if estimate_step_time:
         from shardtrain.plan.step_time import Rates, step_time

@@ -17,6 +17,7 @@ def plan_dict(result: Plan) -> dict[str, Any]:
         "model": result.model, "settings": result.settings, "rank": 0,
         "memory": [{"name": r.name, "bytes": r.bytes, "note": r.note} for r in result.rows],
         "predicted_peak_bytes": result.peak,
+        "loss_part_bytes": trace.loss_peak,
         "peak_breakdown_bytes": {k: v for k, v in trace.peak_breakdown.items() if k != "Total"},
         "units": [{"name": n, "gathered_bytes": b} for n, b in trace.units],
         "layer_activations_bytes": [{"name": n, "bytes": b} for n, b in trace.layer_activations],
@@ -25,11 +26,33 @@ def plan_dict(result: Plan) -> dict[str, Any]:
         out["what_if_activation_checkpointing_flipped_peak_bytes"] = result.what_if_ac.peak
         out["layer_activations_flipped_bytes"] = [{"name": n, "bytes": b}
                                                   for n, b in result.what_if_ac.layer_activations]
+    if len(result.ac_traces) > 1:
+        out["what_if_activation_checkpointing_peak_bytes"] = {mode: t.peak for mode, t in result.ac_traces.items()}
+    if result.lifecycle:
+        out["load_step_save"] = [{"phase": r.name, "selected": r.selected, "note": r.note, "parts_bytes": r.parts,
+                                  "rank0": {"host_bytes": r.rank0_host, "device_bytes": r.rank0_device},
+                                  "other_ranks": {"host_bytes": r.other_host, "device_bytes": r.other_device}}
+                                 for r in result.lifecycle]
     if result.fit is not None:
         out["fit"] = result.fit
     if result.step is not None:
         out["step_time"] = result.step
     return out
+
+
+def _lifecycle_lines(result: Plan) -> list[str]:
+    """The load / step / save rows: peak bytes per rank; `*` marks the path the fsdp_config takes."""
+    cpu = result.settings["target"] == "cpu"
+    head = (f"{'load / step / save, per rank':<32} {'rank 0':>11} {'':>11} {'other ranks':>11} {'':>11}",
+            f"{'(* = this fsdp_config)':<32} {'host':>11} {'device':>11} {'host':>11} {'device':>11}  note")
+    lines = list(head)
+    for r in result.lifecycle:
+        cells = [human(r.rank0_host), "-" if cpu else human(r.rank0_device)]
+        cells += ["-", "-"] if result.settings["world_size"] == 1 else \
+            [human(r.other_host), "-" if cpu else human(r.other_device)]
+        mark = "*" if r.selected else " "
+        lines.append(f"{mark}{r.name:<31} " + " ".join(f"{c:>11}" for c in cells) + f"  {r.note}")
+    return lines
 
 
 def _fit_lines(fit: dict) -> list[str]:
@@ -77,6 +100,8 @@ def plan_table(result: Plan) -> str:
         if row.name == "predicted peak":
             lines.append("-" * 60)
         lines.append(f"{row.name:<32} {human(row.bytes):>11}  {row.note}")
+    if result.lifecycle:
+        lines += ["", *_lifecycle_lines(result)]
     if result.fit is not None:
         lines += ["", *_fit_lines(result.fit)]
     if result.step is not None:

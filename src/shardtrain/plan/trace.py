@@ -16,7 +16,6 @@ meta-device model before it becomes fake (`with_adapters`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,8 +32,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.plan.experts import GroupedMmShapes
+from shardtrain.plan.lifecycle import TensorLayout, tensor_layout
 from shardtrain.plan.model_source import PlanError, to_fake
-from shardtrain.plan.trace_modes import CollectiveCounter, GlooCopies, flop_counter, real_device_meshes
+from shardtrain.plan.trace_modes import (
+    CollectiveCounter,
+    GlooCopies,
+    flop_counter,
+    real_device_meshes,
+    step_tracker,
+)
 
 # FSDPMemTracker's categories (its _FSDPRefType values), grouped into the rows of the report
 STATE_PARAM, STATE_GRAD, STATE_OPT = ("Sharded Param", "Buffer"), ("Sharded Grad",), ("OptState",)
@@ -58,6 +64,7 @@ class StepSetup:
     max_grad_norm: float = 1.0
     backend: str = "nccl"
     gradient_accumulation_steps: int = 1
+    loss_chunk_size: int | str | None = None  # as TrainingArguments.loss_chunk_size
 
 
 @dataclass
@@ -73,43 +80,13 @@ class StepTrace:
     logits: int
     loss_buffers: int
     flops: int
+    loss_peak: int = 0  # the head + loss part: most bytes above those at the head's input, forward and backward
+    loss_chunk_size: int = 0  # tokens per chunk the loss ran with (0: unchunked)
     collective_bytes: dict[str, int] = field(default_factory=dict)
     fsdp_shard_size: int = 1
     wire_bytes: int = 0  # what this rank sends per step with ring collectives, each over its own group
     gemm: tuple[int, int, int] | None = None  # (m, k, n) of the matmul shape that carries the most FLOPs
-
-
-def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """PyTorch's `FSDPMemTracker`, with its post-backward wrapper fixed: PyTorch's keeps the last unsharded
-    gradient it labelled in a local variable while the reduce-scatter runs, so a one-parameter unit (the
-    embedding) would hold its full gradient twice at its reduce (+6 % on one rank); FSDP itself frees it after
-    the copy into the reduce-scatter input."""
-    from torch.distributed._tools import fsdp2_mem_tracker as fmt
-
-    class Tracker(fmt.FSDPMemTracker):
-        def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Callable) -> Callable:
-            @functools.wraps(orig)
-            def inner(*args: Any, **kwargs: Any) -> None:
-                fsdp_state = fsdp_mod._get_fsdp_state()
-                if group := fsdp_state._fsdp_param_group:
-                    for fsdp_param in group.fsdp_params:
-                        if fsdp_param._unsharded_param.grad is not None:
-                            self._update_and_maybe_create_winfos(fsdp_param._unsharded_param.grad,
-                                                                 fmt._FSDPRefType.UNSHARDED_GRAD,
-                                                                 update_existing=True)
-                mod_stat = self.memory_tracking[fsdp_mod]
-                mod_stat.snapshots.setdefault(fmt._FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
-                self._fsdp_state = fmt._FSDPState.POST_BW
-                orig(*args, **kwargs)
-                if group := fsdp_state._fsdp_param_group:
-                    for fsdp_param in group.fsdp_params:
-                        if fsdp_param.sharded_param.grad is not None:
-                            self._update_and_maybe_create_winfos(fsdp_param.sharded_param.grad,
-                                                                 fmt._FSDPRefType.SHARDED_GRAD)
-                mod_stat.snapshots.setdefault(fmt._FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
-            return inner
-
-    return Tracker(model, optimizer)
+    tensors: list[TensorLayout] = field(default_factory=list)  # what save_model writes, as sharded (lifecycle.py)
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -188,21 +165,51 @@ def _units(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[str,
 
 
 class _Probe:
-    """Forward hooks that read the tracker's live activations around each unit, the logits and the loss."""
+    """Forward hooks that read the tracker's live activations around each unit, the logits and the loss; and the
+    peak of the loss part (`loss_peak`: from the head's input through the loss and back to its gradient)."""
 
-    def __init__(self, model: nn.Module, tracker: Any) -> None:
+    def __init__(self, model: nn.Module, tracker: Any, chunked: bool = False) -> None:
         from torch.distributed.fsdp import FSDPModule
+
+        from shardtrain.train.chunked_loss import output_head
 
         self.tracker, self.layers, self.logits, self.after_forward, self.loss_buffers = tracker, [], 0, 0, 0
         self._logits_ref: weakref.ref | None = None
-        self.handles, self.active = [], True
+        self.handles, self.active, self.chunked = [], True, chunked
         names = {id(m): n for n, m in model.named_modules()}
         for module in model.modules():
             if isinstance(module, FSDPModule) and module is not model:
                 self.handles.append(module.register_forward_pre_hook(self._pre))
                 self.handles.append(module.register_forward_hook(self._make_post(names[id(module)])))
         self.handles.append(model.register_forward_hook(self._root_post))
-        self._before = 0
+        head = output_head(model)
+        if head is not None:
+            self.handles.append(head.register_forward_pre_hook(self._head_input))
+        self._before, self.loss_peak, self._region = 0, 0, None
+
+    def _total(self) -> int:
+        return _snapshot(self.tracker).get("Total", 0)
+
+    def _head_input(self, module: nn.Module, args: Any) -> None:
+        """The loss part starts: the tracker's peak restarts from now (the step's own peak is put back at the end)."""
+        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if not self.active or hidden is None or not hidden.requires_grad or self._region is not None:
+            return
+        tracker = self.tracker
+        self._region = (self._total(), dict(tracker._peak_mem), dict(tracker._peak_mem_snap))
+        current = tracker.get_tracker_snapshot("current")
+        tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
+        tracker._peak_mem_snap = current
+        hidden.register_hook(self._head_input_grad)
+
+    def _head_input_grad(self, grad: torch.Tensor) -> None:
+        """The gradient reached the head's input: the loss part is over; keep the larger of both peaks."""
+        base, peak, peak_snap = self._region
+        tracker = self.tracker
+        self.loss_peak = max(max(tracker._peak_mem.values(), default=0) - base, 0)
+        for dev, value in peak.items():
+            if value >= tracker._peak_mem.get(dev, 0):
+                tracker._peak_mem[dev], tracker._peak_mem_snap[dev] = value, peak_snap[dev]
 
     def _act(self) -> int:
         return _sum(_snapshot(self.tracker), ("Activation", "Temp"))
@@ -220,6 +227,8 @@ class _Probe:
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.active:
             logits = getattr(output, "logits", output if isinstance(output, torch.Tensor) else None)
+            if self.chunked:  # the "logits" are the head's input: the full logits never exist
+                logits = None
             self.logits = _local_bytes(logits) if isinstance(logits, torch.Tensor) else 0
             self._logits_ref = weakref.ref(logits) if isinstance(logits, torch.Tensor) else None
             self.after_forward = self._act()
@@ -244,6 +253,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from shardtrain.train.chunked_loss import resolve_chunk_size
     from shardtrain.train.loss import LossComputer
     from shardtrain.train.optim import build_optimizer, normalize_and_clip_grads
 
@@ -259,7 +269,8 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             args = SimpleNamespace(weight_decay=0.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
                                    adam_epsilon=1e-8, optim=setup.optimizer)
             optimizer = build_optimizer(model, args)
-            loss = LossComputer(model, torch.device("cpu"))
+            chunk = resolve_chunk_size(setup.loss_chunk_size, model, tensor_parallel=setup.dims.tp > 1)
+            loss = LossComputer(model, torch.device("cpu"), chunk_size=chunk)
             vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
             batch = _batch(setup, vocab, cp)
             divisor = setup.per_device_batch * setup.dims.batch_size * setup.gradient_accumulation_steps
@@ -287,15 +298,15 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             counter = CollectiveCounter()
             with flop_counter() as flops, counter:
                 step()
-            tracker = _tracker(model, optimizer)
+            tracker = step_tracker(model, optimizer)
             tracker.track_inputs((batch,))
-            probe = _Probe(model, tracker)
+            probe = _Probe(model, tracker, chunked=chunk > 0)
             with tracker, GlooCopies() if setup.backend == "gloo" else contextlib.nullcontext():
                 # FSDPMemTracker keeps one forward per module per iteration: start its module stats afresh for
                 # the second micro-batch (the overall peak it keeps is not reset)
                 step(probe.at_loss, tracker.reset_mod_stats)
             probe.remove()
-            return _result(model, optimizer, setup, tracker, probe, flops, counter)
+            return _result(model, optimizer, setup, tracker, probe, flops, counter, chunk)
     finally:
         dist.destroy_process_group()
 
@@ -313,7 +324,7 @@ def _device_peak_offloaded(tracker: Any) -> int:
 
 
 def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup, tracker: Any, probe: _Probe,
-            flops: FlopCounterMode, counter: CollectiveCounter) -> StepTrace:
+            flops: FlopCounterMode, counter: CollectiveCounter, loss_chunk_size: int) -> StepTrace:
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     breakdown = {str(getattr(k, "value", k)): v for k, v in peak_snap.items()}
     params = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(b) for b in model.buffers())
@@ -333,6 +344,8 @@ def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup
         peak_offloaded_device=_device_peak_offloaded(tracker),
         state={"parameters": params, "gradients": grads, "optimizer_state": opt},
         units=_units(model, dtype), layer_activations=probe.layers, logits=probe.logits,
-        loss_buffers=probe.loss_buffers, flops=int(flops.get_total_flops() * scale),
+        loss_buffers=probe.loss_buffers, loss_peak=probe.loss_peak, loss_chunk_size=loss_chunk_size,
+        flops=int(flops.get_total_flops() * scale),
         collective_bytes=collectives, fsdp_shard_size=fsdp_mesh, wire_bytes=int(counter.wire * scale_wire),
-        gemm=max(counter.gemm_flops, key=counter.gemm_flops.get) if counter.gemm_flops else None)
+        gemm=max(counter.gemm_flops, key=counter.gemm_flops.get) if counter.gemm_flops else None,
+        tensors=tensor_layout(model))

@@ -1,16 +1,18 @@
 """The dispatch modes and contexts the traced step runs under (`shardtrain.plan.trace`): counting collectives
 (bytes, and bytes on the wire over each op's own group) and matmul shapes, gloo's reduce-scatter copy, FLOPs, and
-DeviceMesh construction outside the fake mode.
+DeviceMesh construction outside the fake mode, and the memory tracker of the traced step.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -122,3 +124,36 @@ def real_device_meshes() -> Iterator[None]:
         yield
     finally:
         DeviceMesh.__init__ = original
+
+
+def step_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """PyTorch's `FSDPMemTracker`, with its post-backward wrapper fixed: PyTorch's keeps the last unsharded
+    gradient it labelled in a local variable while the reduce-scatter runs, so a one-parameter unit (the
+    embedding) would hold its full gradient twice at its reduce (+6 % on one rank); FSDP itself frees it after
+    the copy into the reduce-scatter input."""
+    from torch.distributed._tools import fsdp2_mem_tracker as fmt
+
+    class Tracker(fmt.FSDPMemTracker):
+        def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Callable) -> Callable:
+            @functools.wraps(orig)
+            def inner(*args: Any, **kwargs: Any) -> None:
+                fsdp_state = fsdp_mod._get_fsdp_state()
+                if group := fsdp_state._fsdp_param_group:
+                    for fsdp_param in group.fsdp_params:
+                        if fsdp_param._unsharded_param.grad is not None:
+                            self._update_and_maybe_create_winfos(fsdp_param._unsharded_param.grad,
+                                                                 fmt._FSDPRefType.UNSHARDED_GRAD,
+                                                                 update_existing=True)
+                mod_stat = self.memory_tracking[fsdp_mod]
+                mod_stat.snapshots.setdefault(fmt._FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
+                self._fsdp_state = fmt._FSDPState.POST_BW
+                orig(*args, **kwargs)
+                if group := fsdp_state._fsdp_param_group:
+                    for fsdp_param in group.fsdp_params:
+                        if fsdp_param.sharded_param.grad is not None:
+                            self._update_and_maybe_create_winfos(fsdp_param.sharded_param.grad,
+                                                                 fmt._FSDPRefType.SHARDED_GRAD)
+                mod_stat.snapshots.setdefault(fmt._FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
+            return inner
+
+    return Tracker(model, optimizer)

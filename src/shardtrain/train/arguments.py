@@ -122,6 +122,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
     tp_plan: dict | None = None
     ep_size: int | None = None
     save_async: bool = False
+    loss_chunk_size: int | str | None = None  # tokens per chunk of the LM head + cross entropy; "auto"; None: off
     # as Hugging Face's Seq2SeqTrainingArguments
     predict_with_generate: bool = False
     generation_max_length: int | None = None
@@ -281,6 +282,12 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
             setattr(self, name, getattr(getattr(self, name), "value", getattr(self, name)))
             if getattr(self, name) not in allowed:
                 self._fail(name, f"got {getattr(self, name)!r}; allowed values: {list(allowed)}")
+        from shardtrain.train.chunked_loss import ChunkedLossError, parse_setting  # imports torch: only here
+
+        try:  # off, tokens per chunk or "auto" (a command line gives text)
+            self.loss_chunk_size = parse_setting(self.loss_chunk_size)
+        except ChunkedLossError as err:
+            raise TrainingArgumentsError(str(err)) from None
         reporters = [self.report_to] if isinstance(self.report_to, str) or self.report_to is None else \
             list(self.report_to)
         reporters = [r for r in reporters if r not in ("none", None, "jsonl")]
@@ -327,7 +334,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
                     setattr(config, key, value)
         except FSDPConfigError as err:
             raise TrainingArgumentsError(f"TrainingArguments.fsdp_config: {err}") from None
-        if self.activation_checkpointing:
+        if self.activation_checkpointing and not config.activation_checkpointing:  # keeps fsdp_config "selective"
             config.activation_checkpointing = True
         self.fsdp_config = config
         self.fsdp_enabled = enabled or env_fsdp

@@ -76,7 +76,9 @@ class EvalLoop:
                 batch = {k: v.to(self.device) for k, v in data.__getitems__(seeded).items()}
                 inputs = self.prepare(batch) if self.prepare is not None else batch
                 if "labels" in batch:
-                    loss_sum, logits = self.loss.forward(inputs)
+                    # the logits only when predictions are collected from them (else a chunked loss may run)
+                    loss_sum, logits = self.loss.forward(inputs, keep_logits=with_predictions
+                                                         and self.generate is None)
                     totals[0] += loss_sum.double()
                     totals[1] += self.loss.items(inputs).double()
                 else:  # predict() on data without labels: predictions only, no loss

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardtrain.parallel.context import SHARD_KWARG
+from shardtrain.train.chunked_loss import ChunkedLossError, chunked_cross_entropy, head_returns_input, output_head
 from shardtrain.train.data import IGNORE_INDEX
 
 
@@ -40,6 +43,17 @@ def _logits(outputs) -> torch.Tensor | None:
     return logits
 
 
+def _without_logits(outputs: Any) -> Any:
+    """The outputs of a chunked forward, whose `logits` are really the head's input: without them."""
+    if isinstance(outputs, dict):  # transformers' ModelOutput (a dataclass and an OrderedDict) or a plain dict
+        kept = {k: v for k, v in outputs.items() if k != "logits"}
+        try:
+            return type(outputs)(**kept)
+        except TypeError:
+            return kept
+    return None
+
+
 LABEL_KEYS = ("labels", "shift_labels")
 
 
@@ -56,13 +70,17 @@ class LossComputer:
     """Computes the summed loss of a batch and the number of items it is summed over.
 
     Models that return logits get a cross entropy here (labels shifted for causal LMs, -100 ignored);
-    a model that returns only a mean `loss` is scaled back to a sum by its item count.
+    a model that returns only a mean `loss` is scaled back to a sum by its item count. With `chunk_size` > 0
+    (`chunked_loss.resolve_chunk_size` decides it) token losses are computed from the head's input,
+    `chunk_size` tokens at a time, whenever the logits themselves are not needed.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, bf16_autocast: bool = False) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, bf16_autocast: bool = False,
+                 chunk_size: int = 0) -> None:
         self.model, self.device = model, device
         self.shift_labels = is_causal_lm(model)
         self.bf16_autocast = bf16_autocast
+        self.chunk_size = chunk_size
 
     def targets(self, batch: dict[str, Any]) -> torch.Tensor:
         """The labels aligned with the logits: `shift_labels` when the batch has them (context parallelism
@@ -89,9 +107,17 @@ class LossComputer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def compute(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
-        """(summed loss, the model's outputs)."""
+    def compute(self, batch: dict[str, torch.Tensor], keep_logits: bool = False) -> tuple[torch.Tensor, Any]:
+        """(summed loss, the model's outputs).
+
+        Args:
+            batch: model inputs with `labels` (or `shift_labels`).
+            keep_logits: the caller needs the logits (predictions, metrics): no chunking. A chunked loss returns
+                the outputs without `logits`.
+        """
         labels = self.targets(batch)
+        if self.chunk_size and not keep_logits and labels.dim() > 1:
+            return self._chunked(batch, labels)
         with self._autocast():
             outputs = self.model(**{k: v for k, v in batch.items() if k not in LABEL_KEYS})
         logits = _logits(outputs)
@@ -109,9 +135,25 @@ class LossComputer:
                                ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, outputs
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(summed loss, logits or None)."""
-        loss, outputs = self.compute(batch)
+    def _chunked(self, batch: dict[str, torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        head = output_head(self.model)
+        with self._autocast():
+            with head_returns_input(head), warnings.catch_warnings():
+                # FSDP2 warns when a unit returns a view (an in-place op on it would skip its hook); the head's
+                # input often is one (transformers slices it for logits_to_keep), and nothing writes to it here
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+                outputs = self.model(**{k: v for k, v in batch.items() if k not in LABEL_KEYS})
+            hidden = _logits(outputs)
+            if hidden is None or isinstance(head.weight, DTensor):
+                raise ChunkedLossError("the chunked loss needs the model's head input and its unsharded weight "
+                                       "after forward; unset TrainingArguments.loss_chunk_size for this setup")
+            loss = chunked_cross_entropy(hidden, head, labels, self.chunk_size)
+        return loss, _without_logits(outputs)
+
+    def forward(self, batch: dict[str, torch.Tensor],
+                keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed loss, logits or None); `keep_logits` as in `compute`."""
+        loss, outputs = self.compute(batch, keep_logits=keep_logits)
         return loss, _logits(outputs)
 
     def with_labels(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
+from shardtrain.parallel.backend import apply_parallelism
 from shardtrain.parallel.loading import load_pretrained
 from shardtrain.train.arguments import TrainingArgumentsError
 from shardtrain.train.lora import PeftError, add_adapters, is_peft_model
@@ -35,17 +36,20 @@ class ModelSetupMixin:
             shares: list[Any] = [None] * self.world_size
             dist.all_gather_object(shares, frozen_digests(model, self.rank, self.world_size))
             self._frozen_base = frozen_identity(model, {k: v for share in shares for k, v in share.items()})
+        # A model path takes any layout, ep included: the loader reads per-expert checkpoint keys into the fused,
+        # expert-sharded weights by transformers' own conversion rules (or falls back to rank 0's broadcast)
         for name, size in (("tp_size", self.dims.tp), ("ep_size", self.dims.ep)):
-            if isinstance(model, str | os.PathLike) and size > 1:
-                raise TrainingArgumentsError(f"{name} = {size} with a model path: load the model first (e.g. "
-                                             "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
             if self._frozen_base is not None and size > 1:
                 raise PeftError(f"{name} = {size} with LoRA adapters is not supported yet; train the adapters "
                                 f"with data (and context) parallelism, {name} 1")
         if isinstance(model, str | os.PathLike):
             model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
                                     mixed_precision=args.mixed_precision, device=self.device,
-                                    compile_options=self._compile_options())
+                                    compile_options=self._compile_options(),
+                                    parallelize=lambda m: apply_parallelism(
+                                        m, self.meshes, self.dims, config, tp_plan=args.tp_plan,
+                                        mixed_precision=args.mixed_precision,
+                                        compile_options=self._compile_options()))
             self._enable_context_parallel(model)
             return model
         self._enable_context_parallel(model)

@@ -34,6 +34,7 @@ from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
+from shardtrain.train.chunked_loss import resolve_chunk_size
 from shardtrain.train.data import (
     BatchPlan,
     CollatingDataset,
@@ -133,7 +134,10 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
-        self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled)
+        chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
+                                   device_type=self.device.type)
+        self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled,
+                                 chunk_size=chunk)
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
         self._micro_batches = 1  # of the current optimizer step (training_step sets it)
         self.optimizer, self.lr_scheduler = optimizers
@@ -310,7 +314,8 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
             outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         else:
-            loss_sum, outputs = self.loss.compute(inputs)
+            # outputs asked for: with their logits (no chunked loss)
+            loss_sum, outputs = self.loss.compute(inputs, keep_logits=return_outputs)
             count = num_items_in_batch if num_items_in_batch is not None else self.loss.items(inputs)
             loss = loss_sum / count
             if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),

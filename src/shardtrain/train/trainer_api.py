@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, Sampler
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
 from transformers.trainer_utils import PredictionOutput, speed_metrics
 
-from shardtrain.checkpoint.full import write_full_checkpoint
+from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_checkpoint
+from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
 from shardtrain.checkpoint.model_state import model_config_dict
 from shardtrain.errors import UserError
 from shardtrain.train.arguments import TrainingArgumentsError
@@ -154,7 +155,8 @@ class TrainerAPIMixin:
 
     # -- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,
-                   merge_adapters: bool = False) -> Path:
+                   merge_adapters: bool = False, _gather_on_rank0: bool = False,
+                   _max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
         """Write what `from_pretrained` loads: config.json (with `architectures`), safetensors,
         generation_config.json for generative models, and the processing class's files. Every rank calls it;
         the directory is checked before the model is gathered, and a failed write raises on every rank.
@@ -162,21 +164,39 @@ class TrainerAPIMixin:
         A LoRA (PEFT) model writes its adapter (`adapter_model.safetensors` + `adapter_config.json`, gathered from
         every rank's shard: what `PeftModel.from_pretrained(base, dir)` loads), or with `merge_adapters=True` the
         base with the adapters merged in (peft's `merge_and_unload`), a plain transformers model.
+
+        A whole FSDP2 model is written by every rank, none holding it whole (`checkpoint/hf_export.py`); adapters,
+        merged adapters, XLA and non-float states are gathered on rank 0 (`_gather_on_rank0` forces that path:
+        the benchmark compares the two).
         """
         out = Path(output_dir or self.args.output_dir)
         agree(writable_problem(out, "save_model directory") if self.rank == 0 else None, OutputDirError)
+        if not (_gather_on_rank0 or is_peft_model(self.model)) and self.backend.name == "fsdp2":
+            sharded = sharded_state(self.model)
+            if unsupported(sharded) is None:
+                save_sharded_pretrained(self.model, out, model_config_dict(self.model), rank=self.rank,
+                                        world_size=self.world_size, state=sharded, max_shard_bytes=_max_shard_bytes,
+                                        agree=lambda problem: agree(problem, OutputDirError))
+                self._on_rank0(out, lambda: self._write_side_files(out, self.model))
+                return out
         adapters_only = is_peft_model(self.model) and not merge_adapters
         state = self.backend.full_model_state(self.model, trainable_only=adapters_only)
+        self._on_rank0(out, lambda: self._write_model_files(out, state, adapters_only, merge_adapters,
+                                                            _max_shard_bytes))
+        return out
+
+    def _on_rank0(self, out: Path, work: Any) -> None:
+        """Run `work` on rank 0; if it fails to write, every rank raises OutputDirError."""
         problem = None
         if self.rank == 0:
             try:
-                self._write_model_files(out, state, adapters_only, merge_adapters)
+                work()
             except OSError as err:
                 problem = f"could not write the model to {out}: {err}; free space or choose another directory"
         agree(problem, OutputDirError)
-        return out
 
-    def _write_model_files(self, out: Path, state: dict, adapters_only: bool, merge_adapters: bool) -> None:
+    def _write_model_files(self, out: Path, state: dict, adapters_only: bool, merge_adapters: bool,
+                           max_shard_bytes: int) -> None:
         model, config = self.model, model_config_dict(self.model)
         if adapters_only:
             write_adapter(self.model, state, out)
@@ -184,7 +204,11 @@ class TrainerAPIMixin:
             if merge_adapters and is_peft_model(self.model):
                 state, model = merged_state(self.model, state)
                 config = model_config_dict(model)
-            write_full_checkpoint(state, out, config)
+            write_full_checkpoint(state, out, config, max_shard_bytes)
+        self._write_side_files(out, model)
+
+    def _write_side_files(self, out: Path, model: Any) -> None:
+        """generation_config.json (generative models), the processing class's files, training_args.json."""
         generation = getattr(model, "generation_config", None)
         can_generate = getattr(model, "can_generate", lambda: False)()
         if generation is not None and can_generate:

@@ -43,7 +43,10 @@ class ModelLimits:
         config = getattr(model, "config", None)
         vocab = getattr(config, "vocab_size", None)
         if vocab is None and hasattr(model, "get_input_embeddings"):
-            vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+            try:
+                vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+            except (NotImplementedError, AttributeError):  # a model without input embeddings (a custom head)
+                vocab = None
         classifier = "ForSequenceClassification" in type(model).__name__
         return cls(vocab_size=vocab, max_positions=getattr(config, "max_position_embeddings", None),
                    num_labels=getattr(config, "num_labels", None) if classifier else None,

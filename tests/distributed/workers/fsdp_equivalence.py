@@ -2,8 +2,8 @@
 
 torchrun --nproc_per_node 2 fsdp_equivalence.py OUT_DIR '{"reshard_false": {"reshard_after_forward": false}}'
 python fsdp_equivalence.py OUT_DIR '{"plain": null, "plain_tied": null}'   (null config = no FSDP)
-A case named *tied* uses tied embeddings; a config's "_env" entry is set in os.environ for that case only. Each
-rank trains on its contiguous slice of the global batch;
+A case named *tied* uses tied embeddings, one named *dropout* attention dropout 0.2; a config's "_env" entry is
+set in os.environ for that case only. Each rank trains on its contiguous slice of the global batch;
 rank 0 writes OUT_DIR/CASE.json (losses, shard sizes) and OUT_DIR/CASE.pt (full weights).
 """
 
@@ -39,7 +39,7 @@ def _reduce_scatters(model: torch.nn.Module) -> list[str]:
 def _run_case(out: Path, name: str, config: dict | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tie = "tied" in name
-    model = tiny_llama(tie=tie)
+    model = tiny_llama(tie=tie, attention_dropout=0.2 if "dropout" in name else 0.0)
     if config is not None:
         apply_fsdp(model, FSDPConfig.load(config))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

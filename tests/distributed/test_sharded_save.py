@@ -1,0 +1,135 @@
+"""save_model of an FSDP2 model: every rank writes its part of Hugging Face's layout and none gathers the model.
+
+One launch per world size (2 and 4 ranks; `workers/sharded_save.py`) trains an untied and a tied tiny Llama and
+saves each with the default split (one `model.safetensors`), a small split (5 files + index) and the rank-0
+gather path; the tests check the files against the gathered weights, transformers' `save_pretrained` and
+`shardtrain merge`, and what each rank gathered.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import torchrun
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from shardtrain.checkpoint.full import INDEX_FILE, SINGLE_FILE, read_full_checkpoint
+from shardtrain.checkpoint.hf_export import STAGING_DIR, owned_files
+from shardtrain.checkpoint.merge import merge_checkpoint
+
+WORKERS = Path(__file__).parent / "workers"
+SPLIT = 24000  # bytes per file: the tiny Llamas (~90 KB) split into 5 files
+MODELS = ["llama", "llama_tied"]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def saved(request, tmp_path_factory) -> tuple[Path, int]:
+    root = tmp_path_factory.mktemp(f"sharded_save_{request.param}")
+    torchrun(WORKERS / "sharded_save.py", request.param, str(root), str(SPLIT), timeout=900)
+    return root, request.param
+
+
+def _weight_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith((".safetensors", ".index.json")))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_from_pretrained_loads_the_trained_weights_bit_for_bit(saved, model):
+    root, _ = saved
+    weights = torch.load(root / model / "weights.pt")
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    for kind in ("single", "split"):
+        out = root / model / kind
+        assert not (out / STAGING_DIR).exists()
+        names = _weight_names(out)
+        if kind == "single":
+            assert names == [SINGLE_FILE]
+        else:
+            assert names == [f"model-{i:05d}-of-00005.safetensors" for i in range(1, 6)] + [INDEX_FILE]
+            index = json.loads((out / INDEX_FILE).read_text())
+            assert index["metadata"]["total_size"] == total
+            assert sorted(index["weight_map"]) == sorted(weights)
+            for key, name in index["weight_map"].items():
+                assert key in load_file(out / name)
+        assert {"config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+        saved_state = read_full_checkpoint(out)  # tied weights once, as in the gathered state
+        assert saved_state.keys() == weights.keys()
+        loaded = AutoModelForCausalLM.from_pretrained(str(out))
+        assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == (model == "llama_tied")
+        state = loaded.state_dict()
+        for key, value in weights.items():
+            assert state[key].dtype == value.dtype == torch.float32, key
+            assert torch.equal(state[key], value), key
+            assert torch.equal(saved_state[key], value), key
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_keys_are_those_save_pretrained_writes(saved, model, tmp_path):
+    root, _ = saved
+    AutoModelForCausalLM.from_pretrained(str(root / model / "single")).save_pretrained(tmp_path)
+    theirs = read_full_checkpoint(tmp_path)
+    ours = read_full_checkpoint(root / model / "single")
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_gather_path_and_merge_write_the_same_files(saved, model, tmp_path):
+    root, _ = saved
+    merged_split = merge_checkpoint(root / model / "checkpoint-2", tmp_path / "split", max_shard_bytes=SPLIT)
+    merged_single = merge_checkpoint(root / model / "checkpoint-2", tmp_path / "single")
+    for ours, other in [(root / model / "split", root / model / "gather"), (root / model / "split", merged_split),
+                        (root / model / "single", merged_single)]:
+        assert _weight_names(ours) == _weight_names(other)
+        if (ours / INDEX_FILE).is_file():
+            assert json.loads((ours / INDEX_FILE).read_text()) == json.loads((other / INDEX_FILE).read_text())
+        for name in _weight_names(ours):
+            if name.endswith(".safetensors"):
+                a, b = load_file(ours / name), load_file(other / name)
+                assert a.keys() == b.keys(), name
+                assert all(torch.equal(a[key], b[key]) for key in a), name
+        assert json.loads((ours / "config.json").read_text()) == json.loads((other / "config.json").read_text())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_new_layout_replaces_the_old_one(saved, model):
+    root, _ = saved
+    out = root / model / "resave"
+    assert _weight_names(out) == [SINGLE_FILE]  # the split files and their index are gone
+    assert torch.equal(load_file(out / SINGLE_FILE)["model.norm.weight"],
+                       torch.load(root / model / "weights.pt")["model.norm.weight"])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_failed_save_raises_everywhere_and_keeps_the_previous_model(saved, model):
+    root, world = saved
+    for rank in range(world):
+        failed = json.loads((root / model / f"rank{rank}.json").read_text())["failed"]
+        assert failed is not None and "No space left on device (injected)" in failed
+    out = root / model / "resave"
+    assert _weight_names(out) == [SINGLE_FILE] and not (out / STAGING_DIR).exists()
+    weights = torch.load(root / model / "weights.pt")
+    assert all(torch.equal(value, weights[key]) for key, value in load_file(out / SINGLE_FILE).items())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_no_rank_gathers_a_full_tensor(saved, model):
+    """Deterministic stand-in for the memory benchmark: the sharded path gathers nothing (the gather path
+    gathers every byte on every rank), and each output file is assembled by exactly one rank, the one it
+    belongs to."""
+    root, world = saved
+    records = [json.loads((root / model / f"rank{r}.json").read_text()) for r in range(world)]
+    weights = torch.load(root / model / "weights.pt")
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    index = json.loads((root / model / "split" / INDEX_FILE).read_text())
+    for rank, record in enumerate(records):
+        assert record["single"]["full_tensor_bytes"] == record["split"]["full_tensor_bytes"] == 0
+        assert record["gather"]["full_tensor_bytes"] >= total  # tied: the alias is gathered too, then dropped
+        assert record["gather"]["consolidated"] == []
+        assert record["split"]["consolidated"] == owned_files(index["weight_map"], rank, world)
+    split_files = sorted(name for record in records for name in record["split"]["consolidated"])
+    assert split_files == [f"model-{i:05d}-of-00005.safetensors" for i in range(1, 6)]
+    assert [name for record in records for name in record["single"]["consolidated"]] == [
+        "model-00001-of-00001.safetensors"]
