@@ -23,7 +23,7 @@ from shardtrain.checkpoint.state_access import TorchStates
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_fsdp
-from shardtrain.parallel.loading import fill_from_rank0
+from shardtrain.parallel.loading import fill_from_rank0, has_meta_tensors
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 
@@ -109,9 +109,10 @@ class TrainingBackend:
                     "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
                     "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
             return model
-        from_rank0 = args.fsdp_config.cpu_ram_efficient_loading and self._weights_from_rank0(model)
+        on_meta = has_meta_tensors(model)
+        from_rank0 = args.fsdp_config.cpu_ram_efficient_loading and self._weights_from_rank0(on_meta)
         full_state = model.state_dict() if from_rank0 and self.rank == 0 else {}  # the unsharded tensors
-        if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        if not on_meta:
             model.to(self.device)
         apply_parallelism(model, meshes, dims, args.fsdp_config, tp_plan=args.tp_plan,
                           mixed_precision=args.mixed_precision, compile_options=compile_options)
@@ -119,14 +120,14 @@ class TrainingBackend:
             fill_from_rank0(model, full_state, self.device)
         return model
 
-    def _weights_from_rank0(self, model: nn.Module) -> bool:
-        """`cpu_ram_efficient_loading` with a model object: whether ranks > 0 built it on the meta device and
-        take rank 0's weights (collective). A model loaded in full on every rank is kept, with a warning."""
+    def _weights_from_rank0(self, on_meta: bool) -> bool:
+        """`cpu_ram_efficient_loading` with a model object (`on_meta`: this rank's has meta tensors): whether
+        ranks > 0 built it on the meta device and take rank 0's weights (collective). A model loaded in full on
+        every rank is kept, with a warning."""
         from shardtrain.train.arguments import TrainingArgumentsError
 
         if self.world_size == 1:
             return False
-        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         flags = self.all_gather(torch.tensor([float(on_meta)], device=self.device))
         if flags[0].item():
             raise TrainingArgumentsError(

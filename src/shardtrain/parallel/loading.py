@@ -58,6 +58,16 @@ def model_class_from_config(path: Path) -> type:
     return transformers.AutoModelForCausalLM
 
 
+def has_meta_tensors(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of `model` is on the meta device (built without weights)."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _meta_model(cls: type, hf_config: Any) -> nn.Module:
+    with torch.device("meta"):
+        return cls._from_config(hf_config, dtype=torch.float32)
+
+
 def _read_shards(model: nn.Module, path: Path, plan: ReadPlan, device: torch.device) -> ReadStats:
     """Fill the (meta, parallelised) `model` from the safetensors in `path`: each rank its own slices."""
     model.to_empty(device=device)
@@ -124,8 +134,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_c
         cls = cls._model_mapping[type(hf_config)]
     index = safetensors_index(path) if read == SHARDED_READ and HuggingFaceStorageReader is not None else None
     if index:
-        with torch.device("meta"):
-            model = cls._from_config(hf_config, dtype=torch.float32)
+        model = _meta_model(cls, hf_config)
         if hasattr(model, "tie_weights"):
             model.tie_weights()
         plan, why = plan_read(model, index)
@@ -140,17 +149,19 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_c
                         fused, extra={"read_stats": {"keys": stats.keys, "bytes": stats.bytes,
                                                      "fused": len(plan.fused), "fused_sources": fused_sources}})
             return model
+    elif read == RANK0_READ:
+        why = f"read={read!r}"
+    elif HuggingFaceStorageReader is None:
+        why = f"torch {torch.__version__} has no HuggingFaceStorageReader"
     else:
-        why = (f"read={read!r}" if read == RANK0_READ else f"torch {torch.__version__} has no HuggingFaceStorageReader"
-               if HuggingFaceStorageReader is None else "no *.safetensors files")
+        why = "no *.safetensors files"
     logger.info("%s: reading on rank 0 and broadcasting (%s)", path, why)
     rank = dist.get_rank()
     if rank == 0:
         model = cls.from_pretrained(str(path), dtype=torch.float32).to(device)
         full_state = model.state_dict()
     else:
-        with torch.device("meta"):
-            model = cls._from_config(hf_config, dtype=torch.float32)
+        model = _meta_model(cls, hf_config)
         full_state = {}
     parallelize(model)
     fill_from_rank0(model, full_state, device)
@@ -168,7 +179,7 @@ def fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor], devic
     """
     if dist.get_rank() != 0:
         full_state = {}
-        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        if has_meta_tensors(model):
             model.to_empty(device=device)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=True))

@@ -43,13 +43,13 @@ class ModelSetupMixin:
                 raise PeftError(f"{name} = {size} with LoRA adapters is not supported yet; train the adapters "
                                 f"with data (and context) parallelism, {name} 1")
         if isinstance(model, str | os.PathLike):
+            compile_options = self._compile_options()
             model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
                                     mixed_precision=args.mixed_precision, device=self.device,
-                                    compile_options=self._compile_options(),
+                                    compile_options=compile_options,
                                     parallelize=lambda m: apply_parallelism(
                                         m, self.meshes, self.dims, config, tp_plan=args.tp_plan,
-                                        mixed_precision=args.mixed_precision,
-                                        compile_options=self._compile_options()))
+                                        mixed_precision=args.mixed_precision, compile_options=compile_options))
             self._enable_context_parallel(model)
             return model
         self._enable_context_parallel(model)
