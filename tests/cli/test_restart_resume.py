@@ -1,6 +1,8 @@
 """`shardtrain launch --max_restarts 2` continues a run exactly, with no resume logic in the script: a rank
-SIGKILLed at a random step, a rank SIGKILLed in the middle of a save, and a newest checkpoint damaged before
-the restart (skipped with a warning) all end with final weights bit-identical to an uninterrupted run."""
+SIGKILLed at a random step, a rank SIGKILLed in the middle of a save, a newest checkpoint damaged before
+the restart (skipped with a warning), and a rank sent SIGTERM (preemption: every rank checkpoints the last
+finished step and exits 143; `--max_restarts 1`) all end with final weights bit-identical to an uninterrupted
+run."""
 
 import json
 import random
@@ -19,8 +21,13 @@ DAMAGES = ("truncate", "rng", "state", "manifest", "scheduler")
 # newest checkpoint is damaged before the kill at step 5 or 7. Ranks alternate; every trial is distinct.
 _KILL_STEPS = RNG.sample(range(3, 8), 5)
 _SAVE_FAULTS = RNG.sample([(point, step) for point in SAVE_POINTS for step in (4, 6)], 5)
+# SIGTERM: at the start of a step, at its end, while it logs, or while it saves (steps 4 and 6 save)
+_TERM_POINTS = ("step_begin", "step_end", "log", "save", "step_begin")
+_TERM_STEPS = [RNG.choice((4, 6)) if point == "save" else RNG.randrange(3, 8) for point in _TERM_POINTS]
 TRIALS = (
-    [("kill", TYPES[i % 2], f"{i % 2}:{_KILL_STEPS[i]}", None) for i in range(5)]
+    [("kill", TYPES[i % 2], f"{i % 2}:{_KILL_STEPS[i]}", None) for i in range(3)]
+    + [("term", TYPES[i % 2], f"{(i + 1) % 2}:{_TERM_STEPS[i]}:term:{point}", None)
+       for i, point in enumerate(_TERM_POINTS)]
     + [("mid_save", TYPES[i % 2], None, f"{point}:{(i + 1) % 2}:{step}")
        for i, (point, step) in enumerate(_SAVE_FAULTS)]
     + [("damaged", TYPES[i % 2], f"{i % 2}:{RNG.choice((5, 7))}:{DAMAGES[i]}", None) for i in range(5)]
@@ -48,9 +55,13 @@ def references(tmp_path_factory):
 def test_restart_resumes_to_the_same_weights(references, tmp_path, trial):
     what, kind, kill, fault = TRIALS[trial]
     out = tmp_path / "run"
-    proc = _launch(tmp_path / "home", out, kind, kill=kill, fault=fault)
+    proc = _launch(tmp_path / "home", out, kind, kill=kill, fault=fault, restarts=1 if what == "term" else 2)
     log = proc.stdout + proc.stderr
     assert "Resuming from" in log, explain(proc)  # it did restart and pick a checkpoint by itself
+    if what == "term":  # every rank stopped at the same step boundary, wrote that step, and exited 143
+        step = int(kill.split(":")[1])
+        assert f"preempted (SIGTERM) after step {step}; wrote" in log and "exiting 143" in log, explain(proc)
+        assert f"Resuming from {out}/checkpoint-{step}" in log, explain(proc)
     if what == "damaged":
         assert "skipping damaged checkpoint" in log, explain(proc)
     final = load_file(out / "final" / "model.safetensors")

@@ -145,7 +145,7 @@ class TrainingBackend:
         return False
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
         """Sum `tensor` over the processes of `group` in place."""

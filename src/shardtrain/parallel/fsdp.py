@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -55,11 +56,12 @@ def _layer_class_names(model: nn.Module, config: FSDPConfig) -> list[str]:
     if names:
         return names
     no_split = getattr(model, "_no_split_modules", None) or []
-    if not no_split:
-        raise FSDPConfigError(
-            f"fsdp_config key 'transformer_layer_cls_to_wrap' is empty and {type(model).__name__} declares no "
-            f"_no_split_modules; name the layer class(es) to wrap, e.g. "
-            f"{sorted({type(m).__name__ for m in model.modules()})[:8]}, or use 'SIZE_BASED_WRAP'")
+    if not no_split:  # as Accelerate: the root is the one FSDP unit (fine for small heads; big models name layers)
+        warnings.warn(f"{type(model).__name__} declares no _no_split_modules and fsdp_config "
+                      "'transformer_layer_cls_to_wrap' is empty: the whole model is one FSDP unit (all of it is "
+                      "gathered in forward); name its layer class(es) there, e.g. "
+                      f"{sorted({type(m).__name__ for m in model.modules()})[:8]}, to shard layer by layer",
+                      stacklevel=3)
     return list(no_split)
 
 
@@ -81,7 +83,7 @@ def find_fsdp_units(model: nn.Module, config: FSDPConfig) -> list[nn.Module]:
             raise FSDPConfigError(
                 f"fsdp_config key 'transformer_layer_cls_to_wrap' names {missing} which "
                 f"{type(model).__name__} does not contain; its classes are {sorted(present)}")
-        if not config.transformer_layer_cls_to_wrap and len(missing) == len(wanted):
+        if not config.transformer_layer_cls_to_wrap and wanted and len(missing) == len(wanted):
             raise FSDPConfigError(
                 f"{type(model).__name__}._no_split_modules = {wanted} matches no module; set fsdp_config key "
                 f"'transformer_layer_cls_to_wrap' to one of {sorted(present)}")

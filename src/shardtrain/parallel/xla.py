@@ -175,12 +175,13 @@ class XlaBackend(TrainingBackend):
         return Wrap(model.to(self.device), auto_wrap_policy=policy, auto_wrapper_callable=wrapper, **settings)
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {k: v.to(self.device) for k, v in batch.items()}
+        out = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         if self.spmd:
             import torch_xla.distributed.spmd as xs
 
             for tensor in out.values():  # samples over the fsdp axis, as torch_xla's MpDeviceLoader would
-                if tensor.dim() > 0 and tensor.shape[0] % self.devices_per_process == 0:
+                if isinstance(tensor, torch.Tensor) and tensor.dim() > 0 and \
+                        tensor.shape[0] % self.devices_per_process == 0:
                     xs.mark_sharding(tensor, self.mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
         return out
 

@@ -1,29 +1,34 @@
-"""`TrainingArguments`: Hugging Face's fields, names and meanings, validated when constructed.
+"""`TrainingArguments`: a `transformers.TrainingArguments` subclass, validated when constructed.
 
+    args = TrainingArguments("out", per_device_train_batch_size=4, fsdp=True)   # positional output_dir, as HF
     parser = HfArgumentParser((ModelArguments, DataArguments, shardtrain.TrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses()
 
-Design: the class mirrors `transformers.TrainingArguments` instead of subclassing it. Its fields are the ones
-shardtrain implements (declared below, with Hugging Face's annotations and defaults, so `HfArgumentParser`
-parses the same command lines) plus every other field of the installed transformers, added with Hugging
-Face's own type, default and help (`hf_compat.mirrored_fields`): a field is never unknown. Subclassing would
-run Hugging Face's `__post_init__`, which sets up devices and a process group through Accelerate (plain DDP
-on CPU) and needs Accelerate installed; mirroring keeps the surface without that machinery. A mirrored field
-set away from its default either has no effect (one warning names them) or is refused (`hf_compat.REFUSED`).
+Every field, default, enum conversion and helper is Hugging Face's (the class *is* one); shardtrain adds a few
+fields (`OURS`), checks every field it implements first with a message naming the field and the fix, then runs
+Hugging Face's `__post_init__` with two things kept out of it: its FSDP plugin (shardtrain's engine applies
+FSDP2 itself: `fsdp_config` becomes an `FSDPConfig`, `fsdp_enabled` says whether it is on) and its device
+setup through Accelerate's `PartialState` (`_setup_devices` is overridden: the Trainer's backend creates the
+process group; `args.device`, `world_size` and `process_index` read torchrun's environment).
 
 The launcher's settings (`shardtrain.config.env`: FSDP on/off and its config, mixed precision, cp size) apply
-to the fields left unset (None): an argument the user passed wins, even `fsdp=False` or `bf16=False`.
+to the fields left unset: an argument the user passed wins, even `fsdp=False` or `bf16=False`. A Hugging Face
+field shardtrain does not implement either has no effect (one warning names them) or is refused
+(`hf_compat.REFUSED`), so a run never silently differs from what its arguments say.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
+
+import transformers
 
 from shardtrain.config import env
 from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError, parse_fsdp_option
@@ -34,8 +39,23 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 STRATEGIES = ("no", "steps", "epoch")
 REPORTERS = ("tensorboard",)  # metrics.jsonl is always written
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
+# torch optimizers whose update is elementwise, so a sharded parameter steps exactly as a whole one would
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop")
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
+
+# Hugging Face fields shardtrain implements with Hugging Face's meaning (the README table says "supported")
+IMPLEMENTED_HF = frozenset({
+    "output_dir", "do_train", "do_eval", "do_predict", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "optim", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_steps", "num_train_epochs",
+    "max_grad_norm", "bf16", "fp16", "seed", "data_seed", "logging_strategy", "logging_steps", "logging_first_step",
+    "eval_strategy", "eval_steps", "eval_on_start", "prediction_loss_only", "save_strategy", "save_steps",
+    "save_total_limit", "save_only_model", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
+    "resume_from_checkpoint", "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing",
+    "activation_checkpointing_kwargs", "fsdp", "fsdp_config", "report_to", "dataloader_num_workers",
+    "dataloader_pin_memory", "dataloader_prefetch_factor", "remove_unused_columns", "disable_tqdm", "use_cpu",
+    "ddp_timeout", "parallelism_config", "torch_compile", "torch_compile_backend", "torch_compile_mode",
+})
 
 
 class _Unset:
@@ -55,78 +75,36 @@ class TrainingArgumentsError(UserError, ValueError):
     """An argument that cannot be used; the message names the field and the fix."""
 
 
-@dataclass(kw_only=True)
-class _ImplementedArguments(hf_compat.HFArgumentsMixin):
-    """The fields shardtrain implements (Hugging Face's meaning) and its own additions (see OURS)."""
+def _help(text: str) -> dict[str, Any]:
+    return field(default=None, metadata={"help": text})
 
-    output_dir: str | None = None
-    do_train: bool = False
-    do_eval: bool = False
-    do_predict: bool = False
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    optim: str = "adamw_torch_fused"
-    lr_scheduler_type: str = "linear"
-    lr_scheduler_kwargs: dict | str | None = None
-    warmup_steps: float = 0
-    max_steps: int = -1
-    num_train_epochs: float = 3.0
-    max_grad_norm: float = 1.0
-    bf16: bool = UNSET  # unset: the launcher's mixed precision, else False
-    fp16: bool = UNSET
-    seed: int = 42
-    data_seed: int | None = None
-    logging_strategy: str = "steps"
-    logging_steps: float = 500
-    logging_first_step: bool = False
-    eval_strategy: str = "no"
-    eval_steps: float | None = None
-    eval_on_start: bool = False
-    prediction_loss_only: bool = False
-    save_strategy: str = "steps"
-    save_steps: float = 500
-    save_total_limit: int | None = None
-    save_only_model: bool = False
-    load_best_model_at_end: bool = False
-    metric_for_best_model: str | None = None
-    greater_is_better: bool | None = None
-    resume_from_checkpoint: str | None = None
-    gradient_checkpointing: bool | None = None
-    gradient_checkpointing_kwargs: dict | str | None = None
-    activation_checkpointing: bool | None = None
-    fsdp: str | None = None
-    fsdp_config: dict | str | None = None
-    report_to: None | str | list[str] = "none"
-    dataloader_num_workers: int = 0
-    dataloader_pin_memory: bool = True
-    dataloader_prefetch_factor: int | None = None
-    remove_unused_columns: bool = True
-    disable_tqdm: bool | None = None
-    use_cpu: bool = False
-    ddp_timeout: int = 1800
-    parallelism_config: Any = None
-    torch_compile: bool = False
-    torch_compile_backend: str | None = None
-    torch_compile_mode: str | None = None
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """Training settings: every field of `transformers.TrainingArguments`, and a few of ours.
+
+    After construction `fsdp_config` is an `FSDPConfig`, `fsdp_enabled` says whether FSDP2 is applied,
+    `bf16`/`fp16` are booleans and `report_to` a list. See the module docstring and README's compatibility
+    table for what each Hugging Face field does here.
+    """
+
+    # Hugging Face's fields whose unset value means "the launcher's setting" (their default is False)
+    bf16: bool = field(default=UNSET, metadata={"help": "bf16 mixed precision (unset: the launcher's choice)"})
+    fp16: bool = field(default=UNSET, metadata={"help": "fp16 mixed precision (unset: the launcher's choice)"})
     # shardtrain's own
-    cp_size: int | None = None
-    cp_regather_kv: bool = True
-    sp_size: int = 1
-    tp_size: int | None = None
-    tp_plan: dict | None = None
-    ep_size: int | None = None
-    save_async: bool = False
-    loss_chunk_size: int | str | None = None  # tokens per chunk of the LM head + cross entropy; "auto"; None: off
+    cp_size: int | None = _help("context-parallel size (causal LMs: sequences split over cp ranks)")
+    cp_regather_kv: bool = field(default=True, metadata={"help": "context parallel: all-gather K/V again in "
+                                                                 "backward instead of keeping them"})
+    sp_size: int = field(default=1, metadata={"help": "Ulysses sequence-parallel size (not supported above 1)"})
+    tp_size: int | None = _help("tensor-parallel size (the model's own TP plan)")
+    tp_plan: dict | None = _help("module-name pattern -> transformers TP style; default: the model's plan")
+    ep_size: int | None = _help("expert-parallel size (MoE experts spread over ep ranks)")
+    save_async: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
+    loss_chunk_size: int | str | None = _help("tokens per chunk of LM head + cross entropy; 'auto'; None: off")
     # as Hugging Face's Seq2SeqTrainingArguments
-    predict_with_generate: bool = False
-    generation_max_length: int | None = None
-    generation_num_beams: int | None = None
+    predict_with_generate: bool = field(default=False, metadata={"help": "evaluate/predict generate answers"})
+    generation_max_length: int | None = _help("generation: maximum total length")
+    generation_num_beams: int | None = _help("generation: number of beams")
     fsdp_enabled: bool = field(init=False, default=False)
     parallel_sizes: dict = field(init=False, default_factory=dict)
 
@@ -138,13 +116,81 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         self._resolve_fsdp()
         self._check_conflicts()
         self._check_mirrored()
+        self._hf_post_init()
+
+    def _hf_post_init(self) -> None:
+        """Hugging Face's `__post_init__` (enums, derived values, accelerator_config, tf32, `self.device`) on the
+        values resolved above, without its FSDP plugin and its GPU-only bf16 check; ours are put back after."""
+        kept = {name: getattr(self, name) for name in (
+            "fsdp", "fsdp_config", "bf16", "fp16", "report_to", "gradient_checkpointing", "activation_checkpointing",
+            "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")}
+        self.fsdp, self.fsdp_config, self.bf16, self.fp16 = None, None, False, False
+        # the new names set and the old ones None: Hugging Face copies new -> old without a deprecation warning
+        self.activation_checkpointing = bool(kept["activation_checkpointing"] or kept["gradient_checkpointing"])
+        self.activation_checkpointing_kwargs = kept["activation_checkpointing_kwargs"]
+        self.gradient_checkpointing = self.gradient_checkpointing_kwargs = None
+        try:
+            super().__post_init__()
+        except (ValueError, NotImplementedError) as err:
+            if isinstance(err, UserError):
+                raise
+            raise TrainingArgumentsError(f"TrainingArguments: {err}") from None
+        finally:
+            for name, value in kept.items():
+                setattr(self, name, value)
+        self.mixed_precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
+    # -- Hugging Face's device and process properties, from torchrun's environment (no Accelerate state) --
+    @cached_property
+    def _setup_devices(self) -> Any:
+        from shardtrain.parallel.distributed import current_device
+
+        self.distributed_state = None  # shardtrain's backend owns the process group; no PartialState
+        device = current_device()
+        self._n_gpu = 1 if device.type == "cuda" else 0
+        return device
+
+    @property
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+    @property
+    def process_index(self) -> int:
+        return int(os.environ.get("RANK", "0") or 0)
+
+    @property
+    def local_process_index(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+    @property
+    def parallel_mode(self) -> Any:
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
+        """Rank 0 runs the body first (e.g. dataset preprocessing with a cache), then the others."""
+        import torch.distributed as dist
+
+        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rank = self.local_process_index if local else self.process_index
+        if active and rank != 0:
+            dist.barrier()
+        try:
+            yield
+        finally:
+            if active and rank == 0:
+                dist.barrier()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Hugging Face's dict, with the parsed FSDP config as its dict."""
+        out = super().to_dict()
+        if isinstance(self.fsdp_config, FSDPConfig):
+            out["fsdp_config"] = self.fsdp_config.to_dict()
+        return out
 
     # -- what the Trainer reads -------------------------------------------------------------------------
-    @property
-    def mixed_precision(self) -> str:
-        """"bf16", "fp16" or "no"."""
-        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
-
     def interval(self, name: str, max_steps: int) -> int:
         """`logging_steps` / `save_steps` / `eval_steps` in steps: a value below 1 is a ratio of `max_steps`."""
         value = getattr(self, name)
@@ -191,7 +237,7 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
             self.resume_from_checkpoint = resume.lower() == "true"
         if self.metric_for_best_model is not None and not isinstance(self.metric_for_best_model, str):
             self._fail("metric_for_best_model", f"must be a metric name, got {self.metric_for_best_model!r}")
-        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str):
                 try:
@@ -275,8 +321,8 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
         if self.lr_scheduler_type not in SCHEDULERS:
             self._fail("lr_scheduler_type", f"got {self.lr_scheduler_type!r}; allowed values: {list(SCHEDULERS)}")
         if self.optim not in OPTIMIZERS:
-            self._fail("optim", f"got {self.optim!r}; allowed values: {list(OPTIMIZERS)} (torch.optim.AdamW, "
-                                "fused or foreach)")
+            self._fail("optim", f"got {self.optim!r}; allowed values: {list(OPTIMIZERS)} (torch's elementwise "
+                                "optimizers: a factored or low-bit one would see only its shard of each parameter)")
         for name, allowed in (("eval_strategy", STRATEGIES), ("logging_strategy", STRATEGIES),
                               ("save_strategy", (*STRATEGIES, "best"))):
             setattr(self, name, getattr(getattr(self, name), "value", getattr(self, name)))
@@ -393,6 +439,11 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if bool(config.xla) and not self.fsdp_enabled:
             self._fail("fsdp_config", "sets 'xla' but fsdp is off; set fsdp=True")
+        if self.activation_checkpointing and not self.fsdp_enabled:  # Hugging Face's meaning: the model's own
+            self.gradient_checkpointing = True
+            self.gradient_checkpointing_kwargs = self.gradient_checkpointing_kwargs or \
+                self.activation_checkpointing_kwargs
+        self.activation_checkpointing = bool(self.activation_checkpointing)
 
     def _check_mirrored(self) -> None:
         notes, refused = hf_compat.check_mirrored(self, IMPLEMENTED)
@@ -403,18 +454,8 @@ class _ImplementedArguments(hf_compat.HFArgumentsMixin):
                 warnings.warn(note, stacklevel=4)
 
 
-IMPLEMENTED = {f.name for f in dataclasses.fields(_ImplementedArguments) if f.init}
 OURS, NOTES = hf_compat.OUR_FIELDS, hf_compat.FIELD_NOTES  # our fields; what the README table says of some
-
-TrainingArguments = dataclasses.make_dataclass(
-    "TrainingArguments", hf_compat.mirrored_fields(IMPLEMENTED), bases=(_ImplementedArguments,), kw_only=True,
-    namespace={"__doc__": """Training settings: every field of `transformers.TrainingArguments`, and a few of ours.
-
-    After construction `fsdp_config` is an `FSDPConfig`, `fsdp_enabled` says whether FSDP2 is applied,
-    `bf16`/`fp16` are booleans and `report_to` a list. See the module docstring and README's compatibility
-    table for what each Hugging Face field does here.
-    """, "__module__": __name__},
-)
+IMPLEMENTED = IMPLEMENTED_HF | OURS
 
 
 def compatibility_markdown() -> str:

@@ -136,7 +136,7 @@ class PlaceholderDataset(Dataset):
         labels = _labels_of(item)
         for key in LABEL_KEYS:
             item.pop(key, None)
-        if labels is not None or self.labels_from_input_ids:  # a dataset without labels gets none here either
+        if labels is not None or (self.labels_from_input_ids and "input_ids" in item):  # no labels: none here
             item["labels"] = _ignored_like(item["input_ids"] if labels is None else labels)
         return item
 
@@ -163,11 +163,12 @@ def passthrough(batch: Any) -> Any:
 
 
 def _ignored_like(labels: Any) -> Any:
+    """Labels of the same shape and type, all ignored (-100; -100.0 for float targets, which keep their dtype)."""
     if isinstance(labels, torch.Tensor):
         return torch.full_like(labels, IGNORE_INDEX)
     if isinstance(labels, list | tuple):
-        return [IGNORE_INDEX] * len(labels)
-    return IGNORE_INDEX
+        return [_ignored_like(v) for v in labels]
+    return float(IGNORE_INDEX) if isinstance(labels, float) else IGNORE_INDEX
 
 
 def _as_list(value: Any) -> list:
@@ -195,6 +196,10 @@ class PaddingCollator:
     labels_from_input_ids: bool = True  # causal LMs: no labels means "predict every next token"
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if "input_ids" not in items[0]:  # features, pixels, audio, embeddings: Hugging Face's default collator
+            from transformers import default_data_collator
+
+            return default_data_collator(items)
         stacked = _stack_equal_length(items, self.labels_from_input_ids)
         if stacked is not None:
             return stacked
@@ -214,6 +219,8 @@ class PaddingCollator:
             pass
         elif all(isinstance(v, int | float) or (isinstance(v, torch.Tensor) and v.dim() == 0) for v in labels):
             out["labels"] = torch.tensor([v.item() if isinstance(v, torch.Tensor) else v for v in labels])
+        elif all(_is_float_vector(v) for v in labels):  # one target vector per sample (multi-label, regression)
+            out["labels"] = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in labels])
         else:
             rows = [_as_list(i["input_ids"]) if v is None else _as_list(v) for i, v in zip(items, labels, strict=True)]
             out["labels"] = torch.tensor([row + [IGNORE_INDEX] * (longest - len(row)) for row in rows],
@@ -222,6 +229,12 @@ class PaddingCollator:
             if key not in out and key not in LABEL_KEYS:
                 out[key] = torch.stack([torch.as_tensor(item[key]) for item in items])
         return out
+
+
+def _is_float_vector(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point()
+    return isinstance(value, list | tuple) and bool(value) and all(isinstance(v, float) for v in value)
 
 
 def _is_token_field(items: list[dict[str, Any]], key: str, lengths: list[int]) -> bool:

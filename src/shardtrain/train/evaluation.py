@@ -19,6 +19,13 @@ from shardtrain.train.data import IGNORE_INDEX, CollatingDataset, SeededIndices,
 from shardtrain.train.loss import LossComputer
 
 
+def _first_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
+    """The first `rows` samples of a collated batch (tensors whose first dimension is the batch)."""
+    size = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size else v
+            for k, v in batch.items()}
+
+
 def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
     if not rows:
         return np.zeros((0,))
@@ -45,7 +52,7 @@ class EvalLoop:
                  on_step: Callable[[], None] | None = None, cp: ContextParallel | None = None,
                  prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
                  generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True, *,
-                 backend: Any) -> None:
+                 backend: Any, prediction_step: Callable[[dict, bool], tuple] | None = None) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
@@ -54,6 +61,9 @@ class EvalLoop:
         self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
         self.collects = collects  # whether this rank's predictions are gathered (one rank per cp x tp group)
         self.backend = backend  # the Trainer's TrainingBackend: its all_reduce and step_end (XLA runs a graph)
+        # a user's prediction_step / compute_loss: (inputs, loss_only) -> (batch-mean loss, logits, labels), and
+        # the loss is averaged over samples, as Hugging Face's evaluation_loop does
+        self.prediction_step = prediction_step
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -75,12 +85,23 @@ class EvalLoop:
                 seeded = SeededIndices(indices, derive_seed(self.seed, "eval", step, self.dp_rank))
                 batch = {k: v.to(self.device) for k, v in data.__getitems__(seeded).items()}
                 inputs = self.prepare(batch) if self.prepare is not None else batch
-                if "labels" in batch:
+                real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
+                if self.prediction_step is not None:
+                    loss, logits, _ = self.prediction_step(inputs, not with_predictions)
+                    if loss is not None:
+                        totals[0] += loss.double() * real
+                        totals[1] += real
+                elif "labels" in batch:
+                    own = self.loss.uses_model_loss(inputs)
+                    if own and 0 < real < len(indices):  # the model's mean loss: over real samples only
+                        inputs = _first_rows(inputs, real)
+                    self.loss.placeholder = own and real == 0
                     # the logits only when predictions are collected from them (else a chunked loss may run)
                     loss_sum, logits = self.loss.forward(inputs, keep_logits=with_predictions
                                                          and self.generate is None)
                     totals[0] += loss_sum.double()
                     totals[1] += self.loss.items(inputs).double()
+                    self.loss.placeholder = False
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
                 if with_predictions and self.generate is not None:
@@ -106,7 +127,7 @@ class EvalLoop:
             predictions = _stack_padded([p for rank_preds, _ in gathered for p in rank_preds])
             label_ids = _stack_padded([label for _, rank_labels in gathered for label in rank_labels]) \
                 if any(rank_labels for _, rank_labels in gathered) else None
-            if compute_metrics is not None:
+            if compute_metrics is not None and label_ids is not None:  # as Hugging Face: no labels, no metrics
                 extra = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
                 metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": float(v)
                                 for k, v in extra.items()})

@@ -1,9 +1,8 @@
 """Which `transformers.TrainingArguments` fields shardtrain implements, accepts without effect, or refuses.
 
-`TrainingArguments` declares the fields it implements itself; every other field of the installed
-transformers' `TrainingArguments` is added to it with Hugging Face's own type, default and help text
-(`mirrored_fields`), so `HfArgumentParser` parses Hugging Face command lines unchanged and a script never
-fails on a field name. A mirrored field set to a value other than its default either has no effect here
+`TrainingArguments` subclasses Hugging Face's, so every field exists with its type, default and help text and
+`HfArgumentParser` parses Hugging Face command lines unchanged. A field shardtrain does not implement, set to
+a value other than its default, either has no effect here
 (one warning lists them all) or would change results in a way shardtrain cannot honour (an error naming the
 field and what to do instead). `compatibility_table` renders this as the README's table; a test keeps the
 two equal.
@@ -11,11 +10,7 @@ two equal.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import transformers
@@ -31,7 +26,7 @@ REFUSED: dict[str, str] = {
     "batch_eval_metrics": "compute_metrics runs once over the whole evaluation set",
     "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
     "train_sampling_strategy": "samples are shuffled once per epoch ('random' only)",
-    "optim_target_modules": "only the AdamW optimizers are available",
+    "optim_target_modules": "only torch's elementwise optimizers are available",
 }
 
 # Accepted and ignored, with the reason given in the warning and the README table.
@@ -55,23 +50,6 @@ DEFAULT_NO_EFFECT_REASON = "no effect in shardtrain"
 def hf_fields() -> dict[str, dataclasses.Field]:
     """The fields of the installed transformers' `TrainingArguments`, by name."""
     return {f.name: f for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
-
-
-def mirrored_fields(implemented: set[str]) -> list[tuple[str, Any, dataclasses.Field]]:
-    """(name, type, field) of every Hugging Face field not in `implemented`, as `make_dataclass` takes them."""
-    out = []
-    for name, hf in hf_fields().items():
-        if name in implemented:
-            continue
-        kwargs: dict[str, Any] = {"metadata": dict(hf.metadata)}
-        if hf.default is not dataclasses.MISSING:
-            kwargs["default"] = hf.default
-        elif hf.default_factory is not dataclasses.MISSING:
-            kwargs["default_factory"] = hf.default_factory
-        else:
-            kwargs["default"] = None
-        out.append((name, hf.type, dataclasses.field(**kwargs)))
-    return out
 
 
 def default_of(name: str) -> Any:
@@ -136,87 +114,6 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class HFArgumentsMixin:
-    """What Hugging Face scripts read from `TrainingArguments` besides its fields (rank, device, logging)."""
-
-    # -- what Hugging Face scripts read ------------------------------------------------------------------
-    @property
-    def process_index(self) -> int:
-        return int(os.environ.get("RANK", "0") or 0)
-
-    @property
-    def local_process_index(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", "0") or 0)
-
-    @property
-    def world_size(self) -> int:
-        return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-    @property
-    def should_log(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def should_save(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def device(self) -> Any:
-        from shardtrain.parallel.distributed import current_device
-
-        return current_device()
-
-    @property
-    def n_gpu(self) -> int:
-        return 1 if self.device.type == "cuda" else 0
-
-    @property
-    def parallel_mode(self) -> Any:
-        from transformers.training_args import ParallelMode
-
-        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_DISTRIBUTED
-
-    @property
-    def train_batch_size(self) -> int:
-        return self.per_device_train_batch_size
-
-    @property
-    def eval_batch_size(self) -> int:
-        return self.per_device_eval_batch_size
-
-    def get_process_log_level(self) -> int:
-        """Hugging Face's log level for this process: INFO on rank 0, WARNING elsewhere (numeric)."""
-        return 20 if self.should_log else 30
-
-    @contextlib.contextmanager
-    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
-        """Rank 0 runs the body first (e.g. dataset preprocessing with a cache), then the others."""
-        import torch.distributed as dist
-
-        active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        rank = self.local_process_index if local else self.process_index
-        if active and rank != 0:
-            dist.barrier()
-        try:
-            yield
-        finally:
-            if active and rank == 0:
-                dist.barrier()
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of every field (enums as values, the FSDP config as its dict)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if hasattr(value, "to_dict") and not isinstance(value, dict):  # the parsed FSDPConfig
-                value = value.to_dict()
-            out[f.name] = getattr(value, "value", value)
-        return out
-
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
-
-
 # Fields that are ours (not Hugging Face's), and what the README's compatibility table says of some fields.
 OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async",
               "loss_chunk_size", "predict_with_generate", "generation_max_length", "generation_num_beams"}
@@ -235,7 +132,7 @@ FIELD_NOTES = {
     "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",
     "generation_num_beams": "as Seq2SeqTrainingArguments",
     "report_to": "'tensorboard', 'all' or 'none'; metrics.jsonl is always written",
-    "optim": "'adamw_torch_fused' or 'adamw_torch'",
+    "optim": "'adamw_torch_fused', 'adamw_torch', 'sgd', 'adagrad', 'rmsprop' (Hugging Face's create_optimizer)",
     "lr_scheduler_type": "transformers' schedulers, except reduce_lr_on_plateau and greedy",
     "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
     "bf16": "unset: the launcher's mixed precision",

@@ -1,4 +1,7 @@
-"""Rank-0 reporting: progress bar (loss, learning rate, tokens/s, ETA), metrics.jsonl, TensorBoard."""
+"""Rank-0 reporting: metrics.jsonl and TensorBoard (`MetricsLogger`), and what is shown while training, as the
+progress callback Hugging Face's Trainer adds: `JsonProgressCallback` (a `ProgressCallback`: a bar on a terminal,
+one JSON line per log entry) or, with `disable_tqdm`, `JsonPrinterCallback` (a `PrinterCallback`). Removing
+them with `trainer.remove_callback(ProgressCallback)` silences the display; metrics.jsonl is always written."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from shardtrain.train.arguments import TrainingArguments
 
@@ -32,7 +36,6 @@ class MetricsLogger:
 
     def __init__(self, args: TrainingArguments, is_main: bool) -> None:
         self.args, self.is_main = args, is_main
-        self.bar: tqdm | None = None
         self.writer = None
         self.tokens = self.tokens_at_start = 0
         self.started = time.perf_counter()
@@ -47,9 +50,6 @@ class MetricsLogger:
 
     def start(self, step: int, max_steps: int, tokens_seen: int) -> None:
         self.tokens_at_start, self.tokens, self.started = tokens_seen, tokens_seen, time.perf_counter()
-        # No bar when stderr is not a terminal (CI, log files): the JSON log lines carry the same numbers.
-        if self.is_main and not self.args.disable_tqdm and sys.stderr.isatty():
-            self.bar = tqdm(total=max_steps, initial=step, desc="train", dynamic_ncols=True)
 
     @property
     def tokens_per_second(self) -> float:
@@ -57,10 +57,6 @@ class MetricsLogger:
 
     def step_done(self, tokens_seen: int) -> None:
         self.tokens = tokens_seen
-        if self.bar is not None:
-            self.bar.update(1)
-            postfix = {k: f"{self.last_logs[k]:.4g}" for k in ("loss", "learning_rate") if k in self.last_logs}
-            self.bar.set_postfix(postfix | {"tok/s": f"{self.tokens_per_second:.0f}"}, refresh=False)
 
     def log(self, entry: dict[str, Any]) -> None:
         self.last_logs.update(entry)
@@ -74,11 +70,6 @@ class MetricsLogger:
             for key, value in entry.items():
                 if key not in ("step", "epoch") and isinstance(value, int | float):
                     self.writer.add_scalar(key, value, entry["step"])
-        line = json.dumps(entry)
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics.jsonl lines of steps after `step`: a resumed run logs those steps again."""
@@ -97,8 +88,55 @@ class MetricsLogger:
         tmp.replace(path)
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+
+class JsonPrinterCallback(PrinterCallback):
+    """Prints each log entry as one JSON line on the world's process zero."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if state.is_world_process_zero and logs is not None:
+            print(json.dumps(logs), flush=True)
+
+
+class JsonProgressCallback(ProgressCallback):
+    """A training bar when stderr is a terminal (not in CI or log files), and each log entry as a JSON line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bar: tqdm | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero and sys.stderr.isatty():
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, eval_dataloader: Any = None,
+                           **kwargs: Any) -> None:
+        return None
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        return None
+
+    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        return None
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero or logs is None:
+            return
+        line = json.dumps(logs)
+        if self.bar is not None:
+            postfix = {k: f"{logs[k]:.4g}" for k in ("loss", "learning_rate") if isinstance(logs.get(k), float)}
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if self.writer is not None:
-            self.writer.flush()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtrain.errors import UserError
 from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.train.chunked_loss import ChunkedLossError, chunked_cross_entropy, head_returns_input, output_head
 from shardtrain.train.data import IGNORE_INDEX
@@ -35,12 +36,73 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 def _logits(outputs) -> torch.Tensor | None:
+    """The logits of a forward without labels: a tensor, `outputs.logits`, or a tuple's first element."""
     if isinstance(outputs, torch.Tensor):
         return outputs
-    logits = getattr(outputs, "logits", None)
-    if logits is None and isinstance(outputs, dict):
+    if isinstance(outputs, dict):  # ModelOutput (also a dataclass) or a plain dict
+        return outputs.get("logits")
+    if isinstance(outputs, tuple | list) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    return getattr(outputs, "logits", None)
+
+
+def _loss_and_logits(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(loss, logits) of a forward with labels, read as Hugging Face's Trainer reads them: `outputs["loss"]`
+    for a dict or ModelOutput, else (loss, logits, ...) by position."""
+    if isinstance(outputs, dict):
         logits = outputs.get("logits")
-    return logits
+        if logits is None:  # the first other tensor (e.g. a regression head's "predictions")
+            logits = next((v for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)), None)
+        return outputs.get("loss"), logits
+    if isinstance(outputs, tuple | list):
+        return (outputs[0] if outputs else None), (outputs[1] if len(outputs) > 1 else None)
+    if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+        return outputs, None
+    return getattr(outputs, "loss", None), getattr(outputs, "logits", None)
+
+
+# Heads whose loss is a cross entropy over integer labels: shardtrain computes it as an exact sum
+TOKEN_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration", "ForSeq2SeqLM",
+               "ForTokenClassification")
+SAMPLE_HEADS = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
+                "ForVideoClassification", "ForMultipleChoice")
+
+
+def loss_kind(model: nn.Module) -> str:
+    """How the Trainer computes this model's loss: "token" (exact token cross entropy), "sample" (exact
+    single-label cross entropy when the labels are class ids), "model" (the model's own loss, as a mean over
+    the samples of each micro-batch) or "logits" (a plain module without `labels`: cross entropy on its output).
+    """
+    import inspect
+
+    from shardtrain.checkpoint.model_state import model_class_name, unwrap
+
+    base = unwrap(model)
+    if callable(getattr(base, "get_base_model", None)):  # PEFT: the base model decides
+        base = base.get_base_model()
+    name = model_class_name(base)
+    if is_causal_lm(base) or name.endswith(TOKEN_HEADS):
+        return "token"
+    if name.endswith(SAMPLE_HEADS):
+        return "sample"
+    from transformers import PreTrainedModel
+
+    if isinstance(base, PreTrainedModel):
+        return "model"  # a custom head, a regression or embedding model: its own loss is the reference
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return "logits"
+    return "model" if "labels" in params else "logits"
+
+
+def batch_rows(batch: dict[str, Any]) -> int:
+    """Samples in a collated batch (the first dimension of its first tensor, labels first)."""
+    for key in ("labels", *batch):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 1
 
 
 def _without_logits(outputs: Any) -> Any:
@@ -57,20 +119,30 @@ def _without_logits(outputs: Any) -> Any:
 LABEL_KEYS = ("labels", "shift_labels")
 
 
+class LossError(UserError, TypeError):
+    """A model whose outputs the Trainer cannot compute a loss from; the message says what to return."""
+
+
 def _input_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    """Input tokens (Hugging Face's num_input_tokens_seen); samples for models without token inputs."""
     shard = batch.get(SHARD_KWARG)
     if shard is not None:  # context parallelism: this rank's real tokens of the split sequences
         return shard.local_tokens
     if "attention_mask" in batch:
         return batch["attention_mask"].sum()
-    return torch.tensor(batch["input_ids"].numel())
+    if "input_ids" in batch:
+        return torch.tensor(batch["input_ids"].numel())
+    return torch.tensor(batch_rows(batch))
 
 
 class LossComputer:
     """Computes the summed loss of a batch and the number of items it is summed over.
 
-    Models that return logits get a cross entropy here (labels shifted for causal LMs, -100 ignored);
-    a model that returns only a mean `loss` is scaled back to a sum by its item count. With `chunk_size` > 0
+    Language models, token classifiers and single-label classifiers get an exact cross entropy here (labels
+    shifted for causal LMs, -100 ignored), summed over target tokens (or samples). Every other model (regression,
+    multi-label, custom and contrastive heads: `loss_kind` "model") trains on its own loss, read as a mean over
+    the samples of its micro-batch and weighted by them, so that N ranks and accumulation still equal one
+    process; a placeholder micro-batch (`placeholder` set by the Trainer) weighs 0. With `chunk_size` > 0
     (`chunked_loss.resolve_chunk_size` decides it) token losses are computed from the head's input,
     `chunk_size` tokens at a time, whenever the logits themselves are not needed.
     """
@@ -79,8 +151,26 @@ class LossComputer:
                  chunk_size: int = 0) -> None:
         self.model, self.device = model, device
         self.shift_labels = is_causal_lm(model)
+        self.kind = loss_kind(model)
         self.bf16_autocast = bf16_autocast
         self.chunk_size = chunk_size
+        self.placeholder = False  # the current micro-batch stands in for no sample (an epoch's short end)
+        self._config = getattr(model, "config", None)
+
+    def uses_model_loss(self, batch: dict[str, Any]) -> bool:
+        """Whether `batch` is trained on the model's own loss rather than an exact cross entropy."""
+        if self.kind == "model":
+            return True
+        labels = batch.get("labels")
+        if labels is None:
+            return "shift_labels" not in batch  # no labels: only the model knows its loss
+        if labels.is_floating_point():
+            return True  # regression, multi-label targets, soft labels
+        if self.kind == "sample":
+            problem = getattr(self._config, "problem_type", None)
+            return problem not in (None, "single_label_classification") or \
+                getattr(self._config, "num_labels", 2) == 1
+        return False
 
     def targets(self, batch: dict[str, Any]) -> torch.Tensor:
         """The labels aligned with the logits: `shift_labels` when the batch has them (context parallelism
@@ -92,13 +182,17 @@ class LossComputer:
             return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         return labels
 
-    def items(self, batch: dict[str, Any]) -> torch.Tensor:
+    def items(self, batch: dict[str, Any], placeholder: bool | None = None) -> torch.Tensor:
         """Target tokens (or samples) of `batch` that the loss is summed over."""
+        if self.uses_model_loss(batch):
+            placeholder = self.placeholder if placeholder is None else placeholder
+            return torch.tensor(0 if placeholder else batch_rows(batch))
         return (self.targets(batch) != IGNORE_INDEX).sum()
 
-    def local_counts(self, batches: list[dict[str, Any]]) -> torch.Tensor:
+    def local_counts(self, batches: list[dict[str, Any]], placeholders: list[bool] | None = None) -> torch.Tensor:
         """(target tokens, input tokens) of this rank's micro-batches, float64 on the device, not reduced."""
-        targets = sum(self.items(batch) for batch in batches)
+        placeholders = placeholders or [False] * len(batches)
+        targets = sum(self.items(batch, p) for batch, p in zip(batches, placeholders, strict=True))
         inputs = sum(_input_tokens(batch) for batch in batches)
         return torch.stack([torch.as_tensor(targets), torch.as_tensor(inputs)]).to(self.device, torch.float64)
 
@@ -115,16 +209,17 @@ class LossComputer:
             keep_logits: the caller needs the logits (predictions, metrics): no chunking. A chunked loss returns
                 the outputs without `logits`.
         """
+        if self.uses_model_loss(batch):
+            return self._model_loss(batch)
         labels = self.targets(batch)
         if self.chunk_size and not keep_logits and labels.dim() > 1:
             return self._chunked(batch, labels)
         with self._autocast():
             outputs = self.model(**{k: v for k, v in batch.items() if k not in LABEL_KEYS})
         logits = _logits(outputs)
-        if logits is None:  # a module that computes its own (mean) loss
-            with self._autocast():
-                outputs = self.model(**batch)
-            return outputs["loss"] * self.items(batch), outputs
+        if logits is None:
+            raise LossError(f"{type(self.model).__name__} returned no logits (outputs: {type(outputs).__name__}); "
+                            "return logits, or a loss from forward(labels=...)")
         if labels.dim() == 1:
             config = getattr(self.model, "config", None)
             if config is not None and getattr(config, "problem_type", "") is None:
@@ -134,6 +229,17 @@ class LossComputer:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, outputs
+
+    def _model_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """The model's own loss (a mean over the batch's samples) as a sum: x samples, 0 for a placeholder."""
+        with self._autocast():
+            outputs = self.model(**{k: v for k, v in batch.items() if k != "shift_labels"})
+        loss, _ = _loss_and_logits(outputs)
+        if loss is None:
+            raise LossError(f"{type(self.model).__name__} returned no loss for a batch with keys {sorted(batch)}; "
+                            "its forward must compute a loss from its inputs (e.g. forward(labels=...)), or "
+                            "pass compute_loss_func / override compute_loss")
+        return loss.float() * (0 if self.placeholder else batch_rows(batch)), outputs
 
     def _chunked(self, batch: dict[str, torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, Any]:
         head = output_head(self.model)
@@ -154,11 +260,11 @@ class LossComputer:
                 keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed loss, logits or None); `keep_logits` as in `compute`."""
         loss, outputs = self.compute(batch, keep_logits=keep_logits)
-        return loss, _logits(outputs)
+        return loss, (_loss_and_logits(outputs)[1] if self.uses_model_loss(batch) else _logits(outputs))
 
     def with_labels(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A causal LM batch without labels (e.g. from DataCollatorWithPadding) learns every next token."""
-        if "labels" in batch or not self.shift_labels:
+        if "labels" in batch or not self.shift_labels or "input_ids" not in batch:
             return batch
         labels = batch["input_ids"].clone()
         if "attention_mask" in batch:

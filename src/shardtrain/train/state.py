@@ -1,5 +1,5 @@
 """Trainer state, control flags and callbacks: transformers' own classes, so callbacks written for Hugging Face's
-Trainer (`EarlyStoppingCallback`, ...) work unchanged.
+Trainer (`EarlyStoppingCallback`, ...) work unchanged; the Trainer's `callback_handler` is transformers' own.
 
 `TrainerState` adds what an exact resume needs (`steps_per_epoch`, `global_batch_size`) to Hugging Face's
 dataclass; `trainer_state.json` is Hugging Face's file with those two keys more.
@@ -16,7 +16,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl
 from transformers import TrainerState as _HFTrainerState
 
-__all__ = ["TrainerCallback", "TrainerControl", "TrainerState", "CallbackHandler"]
+__all__ = ["TrainerCallback", "TrainerControl", "TrainerState"]
 
 
 @dataclass
@@ -33,36 +33,3 @@ class TrainerState(_HFTrainerState):
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
-
-
-class CallbackHandler:
-    """Calls every callback's `on_<event>(args, state, control, **kwargs)`; a returned control replaces it."""
-
-    def __init__(self, callbacks: list[TrainerCallback]) -> None:
-        self.callbacks: list[TrainerCallback] = []
-        for callback in callbacks:
-            self.add(callback)
-
-    def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        self.callbacks.append(callback() if isinstance(callback, type) else callback)
-
-    def pop(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
-        for existing in self.callbacks:
-            if existing is callback or (isinstance(callback, type) and isinstance(existing, callback)):
-                self.callbacks.remove(existing)
-                return existing
-        return None
-
-    def remove(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        self.pop(callback)
-
-    def fire(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> \
-            TrainerControl:
-        for callback in self.callbacks:
-            result = getattr(callback, event, None)
-            if result is None:
-                continue
-            result = result(args, state, control, **kwargs)
-            if result is not None:
-                control = result
-        return control

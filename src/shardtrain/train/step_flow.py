@@ -77,6 +77,7 @@ class StepFlowMixin:
             self._checkpoints().save_async(self.state.global_step, self.state, model_only=args.save_only_model)
         else:
             self._checkpoints().save(self.state.global_step, self.state, model_only=args.save_only_model)
+        self._saved_step = self.state.global_step
         self._fire("on_save")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -98,8 +99,9 @@ class StepFlowMixin:
             return  # matplotlib is an extra: pip install 'shardtrain[report]'
 
     def _fire(self, event: str, **kwargs: Any) -> None:
-        """Call every callback's `event` with the arguments Hugging Face passes."""
-        self.control = self.callback_handler.fire(
-            event, self.args, self.state, self.control, model=self.model, processing_class=self.processing_class,
-            optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=None, eval_dataloader=None,
-            **kwargs)
+        """Fire `event` through transformers' `CallbackHandler` (it passes the model, processing class, optimizer
+        and scheduler, as in Hugging Face's Trainer); a returned control replaces ours."""
+        handler = self.callback_handler
+        handler.model, handler.processing_class = self.model, self.processing_class
+        handler.optimizer, handler.lr_scheduler = self.optimizer, self.lr_scheduler
+        self.control = handler.call_event(event, self.args, self.state, self.control, **kwargs)

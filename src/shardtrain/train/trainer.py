@@ -22,8 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from torch import nn
 from torch.utils.data import DataLoader
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from shardtrain.checkpoint.manager import CheckpointManager
@@ -45,14 +47,15 @@ from shardtrain.train.data import (
     forward_columns,
     passthrough,
 )
-from shardtrain.train.logging import MetricsLogger
+from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger
 from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.model_setup import ModelSetupMixin
-from shardtrain.train.optim import build_optimizer, build_scheduler, normalize_and_clip_grads
+from shardtrain.train.optim import build_scheduler, normalize_and_clip_grads
+from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
 from shardtrain.train.preflight import PreflightMixin
 from shardtrain.train.router_loss import RouterLoss
-from shardtrain.train.state import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
+from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step_flow import StepFlowMixin
 from shardtrain.train.trainer_api import TrainerAPIMixin
 from shardtrain.train.validation import DataError, OutputDirError, agree, writable_problem
@@ -64,8 +67,15 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
-    """Train, evaluate and save a model with FSDP2; the arguments are Hugging Face's (see module docstring).
+class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, transformers.Trainer):
+    """A `transformers.Trainer` whose job runs on shardtrain's FSDP2 engine (see module docstring).
+
+    The constructor is Hugging Face's (same arguments, same attributes); it does not build Accelerate's
+    `Accelerator`: the backend sets up the process group, the meshes and the model's parallelism. Hugging
+    Face's override points are called where Hugging Face calls them, with its signatures: `compute_loss`,
+    `training_step` (one micro-batch: forward and backward), `prediction_step`, `create_optimizer`,
+    `create_scheduler`, `get_decay_parameter_names`, `log`, `get_train_dataloader`/`get_eval_dataloader`,
+    `_prepare_inputs`.
 
     Args:
         model: an `nn.Module` (Hugging Face model or any module whose forward takes the batch keys), or the
@@ -130,7 +140,11 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
         self.compute_metrics, self.compute_loss_func = compute_metrics, compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
-        self.callback_handler = CallbackHandler(list(callbacks or []))
+        self.optimizer, self.lr_scheduler = optimizers
+        # Hugging Face's default callbacks: DefaultFlowCallback, and the display (a progress bar or a printer)
+        self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model,
+                                                self.processing_class, self.optimizer, self.lr_scheduler)
+        self.add_callback(JsonPrinterCallback if args.disable_tqdm else JsonProgressCallback)
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
@@ -140,11 +154,32 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                                  chunk_size=chunk)
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
         self._micro_batches = 1  # of the current optimizer step (training_step sets it)
-        self.optimizer, self.lr_scheduler = optimizers
         self._check_given_optimizer()
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.logger = MetricsLogger(args, is_main=self.rank == 0)
+        self.preemption = PreemptionHandler()
+        self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
+        self._set_hf_attributes()
         self._fire("on_init_end")
+
+    def _set_hf_attributes(self) -> None:
+        """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
+        args = self.args
+        self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
+        self.accelerator = None  # no Accelerate: shardtrain's backend runs the job
+        self.is_in_train = False
+        self.hp_name = self.hp_search_backend = self.deepspeed = self.label_smoother = None
+        self.place_model_on_device = self.is_deepspeed_enabled = self.is_fsdp_xla_enabled = False
+        self.is_model_parallel = False
+        self.is_fsdp_enabled = bool(args.fsdp_enabled)
+        self.label_names = list(args.label_names) if args.label_names else ["labels"]
+        self.can_return_loss = False
+        self.neftune_noise_alpha = args.neftune_noise_alpha
+        self.current_flos = 0
+        self._signature_columns = sorted(self._keep_columns) if self._keep_columns is not None else None
+        self._train_batch_size = args.train_batch_size
+        self._created_lr_scheduler = False
+        self.model_accepts_loss_kwargs = False  # the token sum is computed here, not by the model
 
     @property
     def callbacks(self) -> list[TrainerCallback]:
@@ -173,10 +208,30 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                 "trainer.model after creating the Trainer")
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        if self.optimizer is None:
-            self.optimizer = build_optimizer(self.model, self.args, self.optimizer_cls_and_kwargs)
+        """Hugging Face's: `create_optimizer()`, then `create_scheduler(num_training_steps)`."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Hugging Face's optimizer (`get_decay_parameter_names` grouping, `args.optim`, one param group per
+        device mesh), built on the sharded parameters the Trainer holds."""
+        return super().create_optimizer(model)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: transformers.TrainingArguments, model: Any = None) -> tuple[Any, Any]:
+        """Hugging Face's choice for `args.optim`; the fused AdamW kernel only where torch has one (CPU, CUDA)."""
+        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+        devices = {p.device.type for p in model.parameters()} if model is not None else set()
+        if kwargs.get("fused") and not devices <= {"cpu", "cuda"}:
+            kwargs = {k: v for k, v in kwargs.items() if k != "fused"}
+        return cls, kwargs
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """transformers' scheduler for `lr_scheduler_type` (warmup: `warmup_steps`, a ratio when below 1)."""
         if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(self.optimizer, self.args, num_training_steps)
+            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _checkpoints(self) -> CheckpointManager:
         """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""
@@ -241,6 +296,8 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self.logger.start(self.state.global_step, max_steps, self.state.num_input_tokens_seen)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
+        self.is_in_train = True
+        self.preemption.install()
         try:
             self._train_loop(plan, max_steps)
         except KeyboardInterrupt:
@@ -248,6 +305,11 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                 print(f"error: interrupted at step {self.state.global_step}; resume with "
                       f"resume_from_checkpoint='auto'", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
+        except Preempted as preempted:
+            self._checkpoint_and_exit(preempted)
+        finally:
+            self.preemption.uninstall()
+            self.is_in_train = False
         # An async save still in flight is committed (or its error raised on every rank) before train() returns.
         self._checkpoints().wait()
         self.logger.close()
@@ -262,6 +324,16 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self._fire("on_train_end")
         return TrainOutput(self.state.global_step, training_loss, metrics)
 
+    def _checkpoint_and_exit(self, preempted: Preempted) -> None:
+        """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""
+        if self._saved_step != self.state.global_step:
+            self._save_checkpoint(None)
+        self._checkpoints().wait()
+        if self.rank == 0:
+            print(f"warning: {preempted}; wrote {self.args.output_dir}/checkpoint-{self.state.global_step}, exiting "
+                  f"{EXIT_CODE}; a restart resumes from it", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CODE) from None
+
     def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
         saved = CheckpointManager.read_state(resume)
         if saved.get("global_batch_size") != plan.global_batch_size:
@@ -274,6 +346,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self.state.max_steps = max_steps
         self.state.is_local_process_zero, self.state.is_world_process_zero = \
             fresh.is_local_process_zero, fresh.is_world_process_zero
+        self._saved_step = self.state.global_step  # its checkpoint exists
         if self.rank == 0:
             self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
 
@@ -282,13 +355,16 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             epoch, start = divmod(self.state.global_step, plan.steps_per_epoch)
             micro_batches = iter(self._loader(plan, epoch, start))
+            permutation = plan.permutation(epoch)
             self.control.should_epoch_stop = False
             self._fire("on_epoch_begin")
-            for _ in range(start, plan.steps_per_epoch):
+            for step in range(start, plan.steps_per_epoch):
                 self.control.should_log = self.control.should_evaluate = self.control.should_save = False
                 self._fire("on_step_begin")
                 batches = [next(micro_batches) for _ in range(self.args.gradient_accumulation_steps)]
-                loss_sum, tokens, grad_norm = self.training_step(batches)
+                # a micro-batch of the epoch's short end that stands in for no sample (see BatchPlan)
+                placeholders = [min(ix) < 0 for ix in plan.micro_batches(permutation, step, epoch)]
+                loss_sum, tokens, grad_norm = self._optimizer_step(batches, placeholders)
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch
                 window.append((loss_sum, tokens))
@@ -302,12 +378,14 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """Hugging Face's override point: the loss of `inputs`, summed over their target tokens and divided by
-        `num_items_in_batch` (the target tokens of the whole global batch of this step).
+        """Hugging Face's override point: the loss of `inputs`, summed over their target tokens (or samples, for
+        a model trained on its own loss) and divided by `num_items_in_batch` (those of the whole global batch of
+        this step; in evaluation, of `inputs`).
 
-        Overriding it (or passing `compute_loss_func`) costs one extra all-reduce per step: the global token
-        count must be known before the forward. Return the loss in that convention (sum / num_items_in_batch)
-        for the step to equal the default one.
+        An override (or `compute_loss_func`) must return the loss in that convention (sum / num_items_in_batch)
+        for N ranks and gradient accumulation to equal one process; one returning a mean over `inputs` is exact
+        on one process without accumulation only. Under evaluation, Hugging Face's rule applies: the mean of
+        the batches' losses, weighted by their samples.
         """
         if self.compute_loss_func is not None:
             labels = inputs["labels"]
@@ -323,8 +401,9 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
                 loss = loss + self.router_loss.local_share(outputs, inputs) / self._micro_batches
         return (loss, outputs) if return_outputs else loss
 
-    def training_step(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """Forward/backward over the micro-batches of one optimizer step, then clip and step.
+    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]],
+                        placeholders: list[bool] | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """One optimizer step: `training_step` (forward and backward) on each micro-batch, then clip and step.
 
         Returns:
             (local sum of token losses, global number of target tokens, total grad norm); the global number
@@ -334,43 +413,35 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         # The backward pass needs a scale that is the same on every rank and known without communication:
         # 1 / (global batch in samples). The exact 1 / (global target tokens) is applied afterwards by
         # `normalize_and_clip_grads`, whose one all-reduce carries the token counts with the gradient norm.
-        global_samples = max(self.state.global_batch_size, 1)
+        self._step_samples = max(self.state.global_batch_size, 1)
         fsdp = self.backend.is_sharded(self.model)
-        custom = self._custom_loss
-        num_items = None
-        # Hugging Face's compute_loss contract, and the router loss (added in token-sum units), need the global
-        # target-token count before the forward
-        by_compute_loss = custom or self.router_loss.enabled
-        if by_compute_loss:
-            num_items = self.loss.local_counts(batches)[0].clone()
-            self.backend.all_reduce(num_items, group=self.meshes.loss.get_group())  # tp ranks share their tokens
-            num_items = num_items.to(torch.int64)
+        # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the
+        # forward (one small all-reduce, which also tells every rank whether one of them was asked to stop)
+        placeholders = placeholders or [False] * len(batches)
+        num_items = self._global_items(batches, placeholders)
         self._micro_batches = len(batches)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
             if fsdp and len(batches) > 1:  # reduce-scatter once per step, not per micro-step
                 self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            if by_compute_loss:
-                micro_sum = self.compute_loss(self.model, batch, num_items_in_batch=num_items) * num_items
-            else:
-                micro_sum = self.loss(batch)
-            (micro_sum / global_samples).backward()
-            loss_sum += micro_sum.detach().float()
+            self.loss.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
+            try:
+                loss = self.training_step(self.model, batch, num_items)
+            finally:
+                self.loss.placeholder = False
+            loss_sum += loss.detach().float() * num_items
             if index < len(batches) - 1:
                 self._fire("on_substep_end")
         # FSDP averages gradients over its ranks (replicate x shard x cp). The token counts of the ranks add up to
         # the global ones: each context-parallel rank counts the targets of its part of the sequences only.
-        divisor = global_samples * (self.dims.grad_average_size if fsdp else 1)
+        divisor = self._step_samples * (self.dims.grad_average_size if fsdp else 1)
         if self.dims.ep > 1:
             rescale_expert_grads(self.model)
-        grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), self.loss.local_counts(batches),
+        grad_norm, counts = normalize_and_clip_grads(self.model.parameters(),
+                                                     self.loss.local_counts(batches, placeholders),
                                                      divisor, self.args.max_grad_norm, self.world_size,
                                                      count_copies=self.dims.tp)
         tokens, input_tokens = (int(c) for c in counts.tolist())
-        if tokens == 0:  # every rank knows the global count: all raise together, before a useless update
-            raise DataError(f"the global batch of step {self.state.global_step + 1} has no target token (every "
-                            "label is -100); make sure each batch has labels to learn from (longer samples, or "
-                            "a larger batch)")
         self._fire("on_pre_optimizer_step")
         self.backend.optimizer_step(self.optimizer)
         self._fire("on_optimizer_step")
@@ -381,6 +452,76 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin):
         self.state.num_input_tokens_seen += input_tokens
         self.state.total_flos += 6.0 * self._flop_params() * input_tokens
         return loss_sum, tokens, grad_norm
+
+    def _global_items(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool]) -> torch.Tensor:
+        """The global batch's target tokens (int64 on the device); raises `Preempted` on every rank when any rank
+        received SIGTERM, and `DataError` when the global batch has nothing to learn from."""
+        header = torch.stack([self.loss.local_counts(batches, placeholders)[0],
+                              torch.tensor(float(self.preemption.requested), dtype=torch.float64,
+                                           device=self.device)])
+        self.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
+        if header[1].item() > 0:
+            raise Preempted(self.state.global_step)
+        num_items = (header[0] / self.dims.tp).round().to(torch.int64)
+        if num_items.item() == 0:  # every rank knows the global count: all raise together, before a useless update
+            raise DataError(f"the global batch of step {self.state.global_step + 1} has no target token (every "
+                            "label is -100); make sure each batch has labels to learn from (longer samples, or "
+                            "a larger batch)")
+        return num_items
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:
+        """Hugging Face's override point: (loss, logits, labels) of one evaluation batch; the loss is the mean
+        over the batch (from `compute_loss`), None without labels. When it (or `compute_loss`) is overridden,
+        evaluation calls it once per batch and averages the losses over samples, as Hugging Face does; otherwise
+        evaluation sums token losses exactly over every rank."""
+        inputs = self._prepare_inputs(inputs)
+        has_labels = all(inputs.get(name) is not None for name in self.label_names)
+        ignore = set(ignore_keys or []) | {"loss"}
+        with torch.no_grad():
+            if has_labels:
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+                loss = loss.detach().mean()
+                if isinstance(outputs, dict):
+                    logits = outputs.get("logits") if "logits" not in ignore else None
+                    if logits is None:
+                        logits = next((v for k, v in outputs.items() if k not in ignore), None)
+                else:
+                    logits = outputs[1] if isinstance(outputs, tuple | list) and len(outputs) > 1 else None
+            else:
+                loss, logits = None, self.loss.logits(inputs)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, logits, inputs.get("labels") if has_labels else None
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Hugging Face's hook: the batch as the model gets it (on the device); called by `training_step` and
+        `prediction_step`. The Trainer's own batches arrive prepared (and split under context parallelism)."""
+        if all(not isinstance(v, torch.Tensor) or v.device == self.device for v in inputs.values()):
+            return inputs
+        return self.backend.to_device(inputs)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Hugging Face's override point: forward and backward of one micro-batch.
+
+        Returns:
+            the micro-batch's loss, detached: the sum of its token losses / `num_items_in_batch` (the target
+            tokens of the global batch), so the micro-batches of every rank add up to the step's loss.
+        """
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        if num_items_in_batch is None:  # called on its own: this micro-batch's tokens
+            num_items_in_batch = self.loss.items(inputs)
+        if self._custom_loss or self.router_loss.enabled:
+            # Hugging Face's compute_loss contract (and the router loss, added in token-sum units)
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            micro_sum = loss * num_items_in_batch
+        else:
+            micro_sum = self.loss(inputs)
+            loss = micro_sum.detach() / num_items_in_batch
+        (micro_sum / getattr(self, "_step_samples", 1)).backward()
+        return loss.detach()
 
     @property
     def _custom_loss(self) -> bool:

@@ -21,7 +21,6 @@ from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, 
 from shardtrain.train.evaluation import EvalLoop
 from shardtrain.train.generation import generate_answers
 from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
-from shardtrain.train.state import TrainerCallback
 from shardtrain.train.validation import (
     DataError,
     ModelLimits,
@@ -55,23 +54,13 @@ class TrainerAPIMixin:
     def is_local_process_zero(self) -> bool:
         return self.args.local_process_index == 0
 
-    # -- callbacks ---------------------------------------------------------------------------------------
-    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        self.callback_handler.add(callback)
-
-    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
-        return self.callback_handler.pop(callback)
-
-    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
-        self.callback_handler.remove(callback)
-
     # -- evaluation --------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss averaged over every eval token on every rank, `compute_metrics`, and speed; logged."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         output = self._run_prediction(dataset, metric_key_prefix, with_predictions=self.compute_metrics is not None
-                                      and not self.args.prediction_loss_only)
+                                      and not self.args.prediction_loss_only, ignore_keys=ignore_keys)
         self.log(output.metrics)
         self._fire("on_evaluate", metrics=output.metrics)
         return output.metrics
@@ -79,11 +68,12 @@ class TrainerAPIMixin:
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (and labels, loss and metrics when the data has labels) on every rank, in dataset order."""
-        output = self._run_prediction(test_dataset, metric_key_prefix, with_predictions=True)
+        output = self._run_prediction(test_dataset, metric_key_prefix, with_predictions=True, ignore_keys=ignore_keys)
         self._fire("on_predict", metrics=output.metrics)
         return output
 
-    def _run_prediction(self, dataset: Any, prefix: str, with_predictions: bool) -> PredictionOutput:
+    def _run_prediction(self, dataset: Any, prefix: str, with_predictions: bool,
+                        ignore_keys: list[str] | None = None) -> PredictionOutput:
         if dataset is None:
             raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
         if id(dataset) not in self._validated:
@@ -99,13 +89,28 @@ class TrainerAPIMixin:
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
                         loss_group=self.meshes.loss.get_group(),
                         generate=self._generate_batch if self.args.predict_with_generate else None,
-                        collects=self._collects_predictions, backend=self.backend)
+                        collects=self._collects_predictions, backend=self.backend,
+                        prediction_step=self._user_prediction_step(ignore_keys))
         output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
         steps = -(-len(dataset) // (batch_size * self.dims.batch_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
         return output
+
+    def _user_prediction_step(self, ignore_keys: list[str] | None) -> Any:
+        """`prediction_step` as the eval loop calls it, when the user overrode it or `compute_loss`; else None."""
+        from shardtrain.train.trainer import Trainer
+
+        if type(self).prediction_step is Trainer.prediction_step and not self._custom_loss:
+            return None
+
+        def step(inputs: dict, loss_only: bool) -> tuple:
+            loss, logits, labels = self.prediction_step(self.model, inputs, loss_only, ignore_keys)
+            if isinstance(logits, tuple | list):  # several outputs: the first is the predictions
+                logits = logits[0] if logits else None
+            return loss, logits, labels
+        return step
 
     @property
     def _collects_predictions(self) -> bool:

@@ -2,10 +2,10 @@
 
 `validate_dataset` reads every sample once (each rank a strided share, so N ranks take 1/N of the time),
 and the ranks agree on the first problem found; every rank raises the same `DataError`, which rank 0 prints.
-It checks what the default collator relies on: `input_ids` present, a flat list of ints in [0, vocab),
-no longer than the model's positions, labels of the same length (or one class id), and at least one target
-token in the whole dataset. With a custom `data_collator` the samples are the collator's business: only
-emptiness is checked.
+It checks what the default collator relies on: for token data (`input_ids`, which causal LMs require) a flat
+list of ints in [0, vocab), no longer than the model's positions, labels of the same length (or one class id);
+for other data (features, pixels, audio) numeric, finite labels; and at least one target in the whole dataset.
+With a custom `data_collator` the samples are the collator's business: only emptiness is checked.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class ModelLimits:
     max_positions: int | None
     num_labels: int | None
     shift_labels: bool
+    text_inputs_only: bool = False  # a causal LM: samples carry input_ids (or inputs_embeds)
 
     @classmethod
     def of(cls, model: nn.Module, shift_labels: bool) -> ModelLimits:
@@ -50,7 +51,7 @@ class ModelLimits:
         classifier = "ForSequenceClassification" in type(model).__name__
         return cls(vocab_size=vocab, max_positions=getattr(config, "max_position_embeddings", None),
                    num_labels=getattr(config, "num_labels", None) if classifier else None,
-                   shift_labels=shift_labels)
+                   shift_labels=shift_labels, text_inputs_only=shift_labels)
 
 
 def _int_list(value: Any, key: str) -> list[int]:
@@ -72,13 +73,18 @@ def _int_list(value: Any, key: str) -> list[int]:
     return [int(v) for v in out]
 
 
+def _floats(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point()
+    return isinstance(value, list | tuple) and bool(value) and all(isinstance(v, float) for v in value)
+
+
 def check_sample(sample: Any, limits: ModelLimits) -> tuple[str | None, int]:
     """(problem or None, number of target tokens) of one sample, as the default collator sees it."""
     if not isinstance(sample, dict):
         return f"is a {type(sample).__name__}, not a dict of fields (input_ids, labels, ...)", 0
-    if "input_ids" not in sample:
-        return (f"has no 'input_ids' (fields: {sorted(sample)}); tokenize the dataset first, or pass a "
-                "data_collator that builds input_ids"), 0
+    if "input_ids" not in sample:  # features, pixels, audio, embeddings: the model's own inputs
+        return _check_non_token_sample(sample, limits)
     try:
         ids = _int_list(sample["input_ids"], "input_ids")
     except ValueError as err:
@@ -103,6 +109,10 @@ def check_sample(sample: Any, limits: ModelLimits) -> tuple[str | None, int]:
                                                                    or value == IGNORE_INDEX):
             return f"has label {value}, outside the model's num_labels ({limits.num_labels})", 0
         return None, int(value != IGNORE_INDEX)
+    if _floats(labels):  # one target vector per sample (multi-label, multi-output regression)
+        if not all(math.isfinite(v) for v in labels):
+            return f"has labels {labels!r:.60} that are not finite; drop or fix the sample", 0
+        return None, 1
     try:
         labels = _int_list(labels, "labels")
     except ValueError as err:
@@ -114,6 +124,23 @@ def check_sample(sample: Any, limits: ModelLimits) -> tuple[str | None, int]:
         return f"has label {bad_labels[0]}, outside [0, {vocab}) and not -100 (ignored)", 0
     targets = labels[1:] if limits.shift_labels else labels
     return None, sum(v != IGNORE_INDEX for v in targets)
+
+
+def _check_non_token_sample(sample: dict[str, Any], limits: ModelLimits) -> tuple[str | None, int]:
+    """A sample without token ids: its label, if any, must be a class id or finite numbers (1 target)."""
+    labels = sample.get("labels", sample.get("label", sample.get("label_ids")))
+    if limits.text_inputs_only and "inputs_embeds" not in sample:
+        return (f"has no 'input_ids' (fields: {sorted(sample)}); tokenize the dataset first, or pass a "
+                "data_collator that builds input_ids"), 0
+    if labels is None:
+        return None, 1  # the model computes its loss from its inputs
+    try:
+        values = torch.as_tensor(labels, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return f"has labels {labels!r:.60} that are not numbers; labels must be class ids or numbers", 0
+    if not torch.isfinite(values).all():
+        return f"has labels {labels!r:.60} that are not finite; drop or fix the sample", 0
+    return None, int((values != IGNORE_INDEX).any())
 
 
 def validate_dataset(dataset: Any, *, name: str, limits: ModelLimits, check_samples: bool,

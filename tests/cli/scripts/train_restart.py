@@ -5,7 +5,9 @@
 Trains a tiny Llama (attention dropout on) for 8 steps, checkpointing every 2 (KIND: SHARDED_STATE_DICT or
 FULL_STATE_DICT), and saves OUT/final. KILL="rank:step[:damage]" is the test's fault: on the first attempt
 that rank SIGKILLs itself after that step; with a damage word, rank 0 first damages the newest checkpoint
-(as a failing disk would). After torchrun restarts the group, the Trainer resumes by itself.
+(as a failing disk would). KILL="rank:step:term:WHEN" sends SIGTERM instead (a scheduler's preemption) at
+WHEN of that step: step_begin, step_end, log or save; the Trainer checkpoints and exits 143. After torchrun
+restarts the group, the Trainer resumes by itself.
 """
 
 import os
@@ -39,12 +41,33 @@ class Fault(TrainerCallback):
         rank, step, *how = spec.split(":")
         self.rank, self.step, self.how, self.out = int(rank), int(step), how, out
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def _due(self, state, when: str) -> bool:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first_attempt and state.global_step == self.step and int(os.environ["RANK"]) == self.rank:
-            if self.how:
-                damage(self.out, self.how[0])
-            os.kill(os.getpid(), signal.SIGKILL)
+        wanted = self.how[1] if self.how and self.how[0] == "term" else "step_end"
+        return first_attempt and wanted == when and state.global_step == self.step and \
+            int(os.environ["RANK"]) == self.rank
+
+    def _fire(self, state, when: str) -> None:
+        if not self._due(state, when):
+            return
+        if self.how and self.how[0] == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self.how:
+            damage(self.out, self.how[0])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._fire(state, "step_begin")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._fire(state, "step_end")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._fire(state, "log")
+
+    def on_save(self, args, state, control, **kwargs):
+        self._fire(state, "save")
 
 
 def main() -> None:

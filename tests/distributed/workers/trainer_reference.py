@@ -2,7 +2,8 @@
 
 python trainer_reference.py OUT.json
 The reference: mean token cross entropy over the global batch (labels shifted, padding ignored), summed over
-the micro-batches before dividing, `clip_grad_norm_`, AdamW with no decay on 1-D parameters, constant lr.
+the micro-batches before dividing, `clip_grad_norm_`, AdamW with Hugging Face's decay grouping (no decay on
+biases and norm weights: transformers' own `get_decay_parameter_names`), constant lr.
 The Trainer runs with FSDP off and on (one rank), with its default fused AdamW and with optim="adamw_torch".
 Writes the largest weight difference and the grad norms.
 """
@@ -14,6 +15,7 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
+import transformers
 from tiny_models import tiny_llama, variable_length_dataset
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
@@ -23,8 +25,10 @@ STEPS, BATCH, ACCUM, LR, DECAY, CLIP = 3, 4, 2, 1e-2, 0.1, 0.5
 
 
 def reference(model: torch.nn.Module, data: list) -> tuple[torch.nn.Module, list[float]]:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    names = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    decay = [p for n, p in model.named_parameters() if n in names]
+    no_decay = [p for n, p in model.named_parameters() if n not in names]
+    assert decay and no_decay
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": DECAY}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=LR)
     plan = BatchPlan(num_samples=len(data), per_device_batch_size=BATCH, accumulation_steps=ACCUM, dp_size=1,
