@@ -1,10 +1,10 @@
 """User-facing errors: one line that names the problem and the fix, printed once per job.
 
-Every error class a user can cause (a bad argument, config, dataset, checkpoint or environment variable)
-derives from `UserError`. `install_error_hook` replaces Python's traceback for those errors with
-`error: <message>`; in a multi-rank job only rank 0 prints it when every rank raised the same error
-(`agreed`, the default for configuration and data checks, which every rank runs on the same input).
-Other exceptions keep the normal traceback.
+Every error class a user can cause (a bad argument, config, dataset, checkpoint or environment variable) is
+defined here, next to its one printer, and derives from `UserError`. `install_error_hook` replaces Python's
+traceback for those errors with `error: <message>`; in a multi-rank job only rank 0 prints it when every rank
+raised the same error (`agreed`, the default for configuration and data checks, which every rank runs on the
+same input). Other exceptions keep the normal traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +21,79 @@ class UserError(Exception):
     """Base of errors caused by the user's input; `agreed`: every rank raises the same one."""
 
     agreed = True
+
+
+# Every error a user can cause, by where it is found (each module raises its own; all print the same way)
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be written or loaded as asked."""
+
+    agreed = False  # may concern one rank's files; set True where every rank raises it together
+
+
+class EnvError(UserError, ValueError):
+    """An environment variable with a value shardtrain cannot read."""
+
+
+class FSDPConfigError(UserError, ValueError):
+    """An `fsdp_config` that cannot be used; the message names the key and the fix."""
+
+
+class LaunchConfigError(UserError, ValueError):
+    """A launch config that cannot be used; the message names the key and the fix."""
+
+
+class ParallelismError(UserError, ValueError):
+    """A parallelism setting that cannot be used; the message names the key and the fix."""
+
+
+class ContextParallelError(UserError, ValueError):
+    """A model or batch that context parallelism cannot run; the message names it and the fix."""
+
+
+class ParallelDimsError(UserError, ValueError):
+    """Parallel sizes that do not fit the ranks; the message names the sizes and a fix."""
+
+
+class ExpertParallelError(UserError, ValueError):
+    """A model or size expert parallelism cannot run; the message names it and the fix."""
+
+
+class TensorParallelError(UserError, ValueError):
+    """A model or plan tensor parallelism cannot run; the message names it and the fix."""
+
+
+class PlanError(UserError, ValueError):
+    """A planner input that cannot be used; the message names the input, its value and the fix."""
+
+
+class TrainingArgumentsError(UserError, ValueError):
+    """An argument that cannot be used; the message names the field and the fix."""
+
+
+class ChunkedLossError(UserError, ValueError):
+    """`loss_chunk_size` asked for chunking on a model (or setup) where the chunked loss would not be exact."""
+
+
+class PeftError(UserError, ValueError):
+    """LoRA / PEFT used in a way shardtrain cannot run; the message names the fix."""
+
+
+class LossError(UserError, TypeError):
+    """A model whose outputs the Trainer cannot compute a loss from; the message says what to return."""
+
+
+class HubError(UserError, RuntimeError):
+    """push_to_hub: shardtrain does not upload."""
+
+
+class DataError(UserError, ValueError):
+    """A dataset the Trainer cannot train on; the message names the dataset, the sample and the fix."""
+
+
+class OutputDirError(UserError, OSError):
+    """An output directory that cannot be written."""
 
 
 def _rank() -> int:

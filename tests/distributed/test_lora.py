@@ -179,7 +179,8 @@ def test_merge_of_a_bf16_base_run(runs, tmp_path):
 def test_missing_peft_is_one_clear_error(monkeypatch):
     import sys
 
-    from shardtrain.train.lora import PeftError, add_adapters
+    from shardtrain.errors import PeftError
+    from shardtrain.train.lora import add_adapters
 
     monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
     with pytest.raises(PeftError, match=r"pip install 'shardtrain\[peft\]'"):

@@ -11,9 +11,8 @@ import pytest
 from transformers import LlamaConfig
 
 from shardtrain.cli.main import main
-from shardtrain.config.fsdp_config import FSDPConfigError
-from shardtrain.parallel.dims import ParallelDimsError
-from shardtrain.plan import PlanError, plan
+from shardtrain.errors import FSDPConfigError, ParallelDimsError, PlanError
+from shardtrain.plan import plan
 from shardtrain.plan.memory import parse_bytes
 
 
@@ -68,7 +67,7 @@ def test_cli_json_and_exit_codes(config_json, capsys):
 def test_what_the_trainer_refuses_is_refused(config_json):
     """The planner refuses what the Trainer refuses, with its message: experts parallelism of a dense model,
     LoRA with tensor or expert parallelism."""
-    from shardtrain.parallel.expert import ExpertParallelError
+    from shardtrain.errors import ExpertParallelError
 
     with pytest.raises(ExpertParallelError, match="ep_size = 2: LlamaForCausalLM has no routed experts"):
         plan(config_json, world_size=2, ep=2, estimate_step_time=False)

@@ -8,8 +8,8 @@ import pytest
 from transformers import Gemma2Config, LlamaConfig
 
 from shardtrain.cli.main import main as cli_main
+from shardtrain.errors import PlanError
 from shardtrain.plan import plan
-from shardtrain.plan.model_source import PlanError
 
 BIG_VOCAB = {"vocab_size": 128256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,

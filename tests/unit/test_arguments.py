@@ -36,6 +36,13 @@ from shardtrain import TrainingArguments, TrainingArgumentsError
     ({"load_best_model_at_end": True}, ["load_best_model_at_end", "eval_strategy"]),
     ({"fsdp": True, "fsdp_config": {"reshard_after_forwad": True}}, ["fsdp_config", "reshard_after_forward"]),
     ({"fsdp": "fulll_shard"}, ["fsdp", "fulll_shard"]),
+    ({"save_strategy": "best", "eval_strategy": "steps", "eval_steps": 2}, ["save_strategy", "metric_for_best_model"]),
+    ({"label_smoothing_factor": 1.5}, ["label_smoothing_factor", "1.5"]),
+    ({"neftune_noise_alpha": -1}, ["neftune_noise_alpha"]),
+    ({"fsdp": True, "cp_size": 2, "neftune_noise_alpha": 5.0}, ["neftune_noise_alpha", "context"]),
+    ({"label_smoothing_factor": 0.1, "loss_chunk_size": 64}, ["label_smoothing_factor", "loss_chunk_size"]),
+    ({"tf32": True}, ["tf32"]),
+    ({"optim": "adafactor"}, ["optim", "sgd", "elementwise"]),
 ])
 def test_bad_arguments_name_the_field(tmp_path, kwargs, fragments):
     with pytest.raises(TrainingArgumentsError) as err:
@@ -102,3 +109,33 @@ def test_activation_checkpointing_argument_keeps_a_selective_fsdp_config(tmp_pat
     assert args.fsdp_config.activation_checkpointing == "selective"
     assert TrainingArguments(output_dir=str(tmp_path), fsdp=True,
                              activation_checkpointing=True).fsdp_config.activation_checkpointing is True
+
+
+def test_it_is_a_transformers_training_arguments_with_a_positional_output_dir(tmp_path):
+    import dataclasses
+
+    import transformers
+
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2)
+    assert isinstance(args, transformers.TrainingArguments) and args.output_dir == str(tmp_path)
+    assert args.eval_strategy == transformers.IntervalStrategy.NO  # Hugging Face's own enums and derived values
+    assert args.world_size == 1 and args.process_index == 0 and args.device.type == "cpu"
+
+    @dataclasses.dataclass
+    class MyArguments(TrainingArguments):  # a user's subclass, as TRL and others write them
+        beta: float = 0.1
+
+    mine = MyArguments(str(tmp_path), beta=0.5)
+    assert mine.beta == 0.5 and mine.output_dir == str(tmp_path) and not mine.fsdp_enabled
+
+
+def test_activation_checkpointing_without_fsdp_is_the_models_own(tmp_path):
+    args = TrainingArguments(str(tmp_path), activation_checkpointing=True)
+    assert args.gradient_checkpointing is True  # Hugging Face's meaning: model.gradient_checkpointing_enable()
+
+
+def test_logging_nan_inf_filter_follows_transformers_accumulation():
+    from shardtrain.train.step_flow import nan_inf_filtered
+
+    assert nan_inf_filtered([1.0, 3.0, float("nan")]) == [1.0, 3.0, 4.0 / 3]
+    assert nan_inf_filtered([float("inf"), 2.0]) == [0.0, 2.0]

@@ -8,12 +8,8 @@ import torch.distributed as dist
 from tiny_models import tiny_gpt2, tiny_llama
 from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
-from shardtrain.train.chunked_loss import (
-    ChunkedLossError,
-    chunking_blocker,
-    parse_setting,
-    resolve_chunk_size,
-)
+from shardtrain.errors import ChunkedLossError
+from shardtrain.train.chunked_loss import chunking_blocker, parse_setting, resolve_chunk_size
 from shardtrain.train.loss import LossComputer
 
 
@@ -191,7 +187,7 @@ def test_fsdp2_head_unit_that_reshards_is_refused(one_rank_group):
 
 def test_training_arguments(tmp_path):
     from shardtrain import TrainingArguments
-    from shardtrain.train.arguments import TrainingArgumentsError
+    from shardtrain.errors import TrainingArgumentsError
 
     assert TrainingArguments(output_dir=str(tmp_path)).loss_chunk_size is None  # off unless asked for
     assert TrainingArguments(output_dir=str(tmp_path), loss_chunk_size="512").loss_chunk_size == 512

@@ -49,7 +49,7 @@ def test_same_command_line_same_values(tmp_path):
     assert ours_model.model_name_or_path == "m"
     skip = {"fsdp", "fsdp_config", "report_to", "bf16", "fp16", "gradient_checkpointing_kwargs",
             "lr_scheduler_kwargs", "disable_tqdm", "resume_from_checkpoint", "gradient_checkpointing",
-            "activation_checkpointing", "activation_checkpointing_kwargs", "greater_is_better",  # resolved into our own forms, checked below
+            "activation_checkpointing", "activation_checkpointing_kwargs", "greater_is_better",  # ours, checked below
             }
     compared = (IMPLEMENTED - OURS) - skip  # the fields we implement mean the same; the rest are only accepted
     assert len(compared) > 35

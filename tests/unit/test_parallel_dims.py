@@ -6,9 +6,9 @@ import pytest
 from accelerate.parallelism_config import ParallelismConfig
 
 from shardtrain import FSDPConfig, TrainingArguments
-from shardtrain.config.parallelism import ParallelismError, read_parallelism
-from shardtrain.parallel.dims import ParallelDims, ParallelDimsError
-from shardtrain.train.arguments import TrainingArgumentsError
+from shardtrain.config.parallelism import read_parallelism
+from shardtrain.errors import ParallelDimsError, ParallelismError, TrainingArgumentsError
+from shardtrain.parallel.dims import ParallelDims
 
 
 def sizes(dims: ParallelDims) -> tuple[int, ...]:

@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.safe_load import ALLOWED_GLOBALS, dcp_load, read_dcp_metadata
+from shardtrain.errors import CheckpointError
 
 WORKER = REPO / "tests" / "distributed" / "workers" / "train_run.py"
 

@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtrain import TrainingArguments, TrainingArgumentsError
-from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.activation_checkpoint import ForwardResidue, wrap_checkpointing
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.xla import XlaBackend

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardtrain import TrainingArguments
-from shardtrain.config.fsdp_config import FSDPConfigError
+from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.backend import TrainingBackend, make_backend
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.xla import XlaBackend

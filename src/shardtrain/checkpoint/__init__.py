@@ -1,5 +1,5 @@
 """Checkpoints: atomic save/load/rotate (manager), full safetensors export, offline merge."""
 
-from shardtrain.checkpoint.errors import CheckpointError
+from shardtrain.errors import CheckpointError
 
 __all__ = ["CheckpointError"]

@@ -31,7 +31,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtrain.checkpoint.async_manager import AsyncSaveMixin
-from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
 from shardtrain.checkpoint.layout import (  # noqa: F401 (PREFIX, SHARDED_DIR, ...: re-exported for the Trainer)
@@ -60,6 +59,7 @@ from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
 )
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.checkpoint.state_access import TorchStates
+from shardtrain.errors import CheckpointError
 from shardtrain.parallel.distributed import barrier
 
 

@@ -19,11 +19,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, read_full_checkpoint, write_full_checkpoint
 from shardtrain.checkpoint.layout import BASE_FILE, SHARDED_DIR
 from shardtrain.checkpoint.manager import checkpoint_kind
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
+from shardtrain.errors import CheckpointError
 
 
 def load_sharded_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:

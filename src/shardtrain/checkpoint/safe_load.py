@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.serialization import _get_layout
 
-from shardtrain.checkpoint.errors import CheckpointError
+from shardtrain.errors import CheckpointError
 
 __all__ = ["ALLOWED_GLOBALS", "MetadataUnpickler", "SafeFileSystemReader", "SafeLoadPlanner", "dcp_load",
            "read_dcp_metadata"]

@@ -24,14 +24,21 @@ from shardtrain.config.launch_config import (
     DEFAULT_MULTI_NODE_PORT,
     RDZV_BACKENDS,
     LaunchConfig,
-    LaunchConfigError,
     default_config_path,
     load_launch_config,
     write_launch_config,
 )
 from shardtrain.config.values import as_bool, as_int
+from shardtrain.errors import LaunchConfigError
 
 Answers = dict[str, Any]
+
+
+def check_parallel_sizes(**sizes: object) -> object:
+    """`ParallelDims.resolve`, imported when a config has parallelism sizes (it imports torch)."""
+    from shardtrain.parallel.dims import ParallelDims
+
+    return ParallelDims.resolve(**sizes)
 
 
 def _choice(*options: str) -> Callable[[str, Answers], str]:
@@ -307,7 +314,7 @@ def run_config(args: argparse.Namespace) -> int:
     }
     answers = ask_questions(defaults, preset, ask=not args.default)
     config = config_from_answers(answers, base)
-    config.validate(str(path))
+    config.validate(str(path), check_sizes=check_parallel_sizes)
     written = write_launch_config(config, path)
     print(f"Wrote {written}")
     return 0

@@ -14,7 +14,9 @@ from importlib import metadata
 
 import yaml
 
-from shardtrain.config.launch_config import LaunchConfigError, default_config_path, load_launch_config
+from shardtrain.cli.config_cmd import check_parallel_sizes
+from shardtrain.config.launch_config import default_config_path, load_launch_config
+from shardtrain.errors import LaunchConfigError
 
 
 def _version(package: str) -> str:
@@ -51,7 +53,7 @@ def collect_env() -> dict[str, object]:
     }
     try:
         config, source = load_launch_config()
-        fsdp = config.validate(str(source or "defaults"))
+        fsdp = config.validate(str(source or "defaults"), check_sizes=check_parallel_sizes)
         info["config"] = {
             "source": str(source) if source else "none (built-in defaults; run `shardtrain config`)",
             **config.to_yaml_dict(),

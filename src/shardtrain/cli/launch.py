@@ -29,17 +29,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardtrain.cli.config_cmd import check_parallel_sizes
 from shardtrain.config import env as env_names
 from shardtrain.config.env import true_word
-from shardtrain.config.fsdp_config import FSDPConfigError, parse_fsdp_option
-from shardtrain.config.launch_config import (
-    DEFAULT_MULTI_NODE_PORT,
-    LaunchConfig,
-    LaunchConfigError,
-    load_launch_config,
-    map_fsdp_config,
-)
-from shardtrain.config.parallelism import SIZE_KEYS, ParallelismError, read_parallelism, to_env
+from shardtrain.config.fsdp_config import parse_fsdp_option
+from shardtrain.config.launch_config import DEFAULT_MULTI_NODE_PORT, LaunchConfig, load_launch_config, map_fsdp_config
+from shardtrain.config.parallelism import SIZE_KEYS, read_parallelism, to_env
+from shardtrain.errors import FSDPConfigError, LaunchConfigError, ParallelismError
 
 ENV_USE_FSDP = env_names.USE_FSDP
 ENV_FSDP_CONFIG = env_names.FSDP_CONFIG
@@ -231,7 +227,7 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     if config.ignored:
         names = ", ".join(config.ignored)
         warnings.append(f"{source or 'flags'}: ignoring keys shardtrain does not use: {names}")
-    fsdp = config.validate(f"{source or 'defaults'} + flags")
+    fsdp = config.validate(f"{source or 'defaults'} + flags", check_sizes=check_parallel_sizes)
     if not Path(args.script).is_file():
         raise LaunchConfigError(f"script {args.script!r} does not exist (looked from {os.getcwd()}); "
                                 f"pass the path of your training script")

@@ -21,14 +21,13 @@ from shardtrain.cli.config_cmd import add_config_parser
 from shardtrain.cli.env_cmd import add_env_parser
 from shardtrain.cli.launch import add_launch_parser, normalize_fsdp_flag
 from shardtrain.cli.plan_cmd import add_plan_parser
-from shardtrain.config.fsdp_config import FSDPConfigError
-from shardtrain.config.launch_config import LaunchConfigError
+from shardtrain.errors import FSDPConfigError, LaunchConfigError
 
 
 def run_merge(args: argparse.Namespace) -> int:
     """Entry of `shardtrain merge`: `shardtrain.checkpoint.merge.merge_checkpoint` (imported lazily)."""
-    from shardtrain.checkpoint.errors import CheckpointError
     from shardtrain.checkpoint.merge import merge_checkpoint
+    from shardtrain.errors import CheckpointError
 
     try:
         if args.merge_lora != (args.base is not None):

@@ -29,7 +29,8 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, help_: str) -> None:
 
 
 def _ac_value(text: str) -> bool | str:
-    from shardtrain.config.fsdp_config import FSDPConfigError, parse_activation_checkpointing
+    from shardtrain.config.fsdp_config import parse_activation_checkpointing
+    from shardtrain.errors import FSDPConfigError
 
     try:
         return parse_activation_checkpointing(text)

@@ -1,5 +1,6 @@
 """Configuration: fsdp_config parsing and launch configs."""
 
-from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import FSDPConfigError
 
 __all__ = ["FSDPConfig", "FSDPConfigError"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from shardtrain.config import values
-from shardtrain.errors import UserError
+from shardtrain.errors import EnvError
 
 USE_FSDP = "SHARDTRAIN_USE_FSDP"  # true: FSDP on
 FSDP_CONFIG = "SHARDTRAIN_FSDP_CONFIG"  # JSON of the validated FSDPConfig.to_dict()
@@ -24,10 +24,6 @@ GLOO_REDUCE_SCATTER = "SHARDTRAIN_GLOO_REDUCE_SCATTER"  # all_to_all (default) |
 
 TRUE_WORDS = values.TRUE_WORDS
 FALSE_WORDS = ("", *values.FALSE_WORDS)  # set but empty: false
-
-
-class EnvError(UserError, ValueError):
-    """An environment variable with a value shardtrain cannot read."""
 
 
 def env_flag(name: str, default: bool = False) -> bool:

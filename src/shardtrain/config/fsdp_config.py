@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardtrain.errors import UserError
+from shardtrain.errors import FSDPConfigError
 
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
@@ -44,10 +44,6 @@ IGNORED_FSDP1_KEYS = frozenset(
     {"backward_prefetch", "backward_prefetch_policy", "forward_prefetch", "sync_module_states",
      "use_orig_params", "limit_all_gathers", "activation_cpu_offload", "cpu_offload_pin_memory"}
 )
-
-
-class FSDPConfigError(UserError, ValueError):
-    """An `fsdp_config` that cannot be used; the message names the key and the fix."""
 
 
 def _normalize_strategy(value: Any) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,16 +40,10 @@ from typing import Any
 import yaml
 
 from shardtrain.config import values
-from shardtrain.config.fsdp_config import (
-    IGNORED_FSDP1_KEYS,
-    MIXED_PRECISIONS,
-    SHARDING_STRATEGIES,
-    FSDPConfig,
-    FSDPConfigError,
-)
-from shardtrain.config.parallelism import ParallelismError, read_parallelism
+from shardtrain.config.fsdp_config import IGNORED_FSDP1_KEYS, MIXED_PRECISIONS, SHARDING_STRATEGIES, FSDPConfig
+from shardtrain.config.parallelism import read_parallelism
 from shardtrain.config.values import closest
-from shardtrain.errors import UserError
+from shardtrain.errors import FSDPConfigError, LaunchConfigError, ParallelDimsError, ParallelismError
 
 HOME_ENV = "SHARDTRAIN_HOME"
 CONFIG_NAME = "default_config.yaml"
@@ -70,10 +65,6 @@ _IGNORED_TOP = frozenset(
     "dynamo_backend deepspeed_config megatron_lm_config mpirun_config fp8_config ipex_config use_ipex "
     "tpu_name tpu_zone tpu_use_cluster tpu_use_sudo tpu_vm tpu_env command_file commands fp16".split()
 )
-
-
-class LaunchConfigError(UserError, ValueError):
-    """A launch config that cannot be used; the message names the key and the fix."""
 
 
 def shardtrain_home() -> Path:
@@ -253,8 +244,11 @@ class LaunchConfig:
         self.parallelism.update(sizes)
         self.ignored += [name.split(": ", 1)[-1] for name in ignored]
 
-    def validate(self, where: str) -> FSDPConfig | None:
+    def validate(self, where: str, check_sizes: Callable[..., Any] | None = None) -> FSDPConfig | None:
         """Check the settings together; return the validated FSDPConfig when FSDP is on.
+
+        `check_sizes` (the CLI passes `ParallelDims.resolve`) checks the parallelism sizes against the processes;
+        the config layer does not import the parallel layer.
 
         Raises:
             LaunchConfigError: impossible combinations (rank >= machines, processes not divisible, ...).
@@ -271,13 +265,10 @@ class LaunchConfig:
             raise LaunchConfigError(f"{where}: num_machines is {machines} but main_process_ip is not set; "
                                     f"set it to the address of the machine with machine_rank 0")
         fsdp = validate_fsdp(self.fsdp_config, where) if (self.fsdp_config or self.use_fsdp) else None
-        if self.use_parallelism_config:
-            from shardtrain.parallel.dims import ParallelDims, ParallelDimsError
-
+        if self.use_parallelism_config and check_sizes is not None:  # the layer above passes ParallelDims.resolve
             sizes = {k.removesuffix("_size"): v for k, v in self.parallelism.items()}
             try:
-                ParallelDims.resolve(world_size=procs, fsdp_config=fsdp, local_world_size=self.nproc_per_node,
-                                     **sizes)
+                check_sizes(world_size=procs, fsdp_config=fsdp, local_world_size=self.nproc_per_node, **sizes)
             except ParallelDimsError as err:
                 raise LaunchConfigError(f"{where}: num_processes {procs}: {err}") from err
         return fsdp if self.use_fsdp else None

@@ -17,17 +17,13 @@ from typing import Any
 
 from shardtrain.config import env
 from shardtrain.config.values import as_int, closest
-from shardtrain.errors import UserError
+from shardtrain.errors import ParallelismError
 
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size")
 CP_COMM_STRATEGIES = ("allgather",)
 IGNORED_KEYS = frozenset("cp_backend sp_backend sp_seq_length sp_seq_length_is_variable sp_attn_implementation "
                          "cp_handler sp_handler".split())
 PREFIX = "parallelism_config_"
-
-
-class ParallelismError(UserError, ValueError):
-    """A parallelism setting that cannot be used; the message names the key and the fix."""
 
 
 def read_parallelism(value: Any, where: str) -> tuple[dict[str, int], list[str]]:

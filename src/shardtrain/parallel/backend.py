@@ -90,7 +90,7 @@ class TrainingBackend:
         """Apply the parallel layout from outside, torchtitan's order: tensor parallel, expert parallel, then
         activation checkpointing, compile and FSDP per unit (`apply_fsdp`). Uses `trainer`'s `args`, `dims`,
         `meshes` and compile options. A model sharded before the Trainer (an `FSDPModule`) is kept as it is."""
-        from shardtrain.train.arguments import TrainingArgumentsError  # the train layer owns argument errors
+        from shardtrain.errors import TrainingArgumentsError
 
         args, dims, meshes = trainer.args, trainer.dims, trainer.meshes
         compile_options = trainer._compile_options()
@@ -124,7 +124,7 @@ class TrainingBackend:
         """`cpu_ram_efficient_loading` with a model object (`on_meta`: this rank's has meta tensors): whether
         ranks > 0 built it on the meta device and take rank 0's weights (collective). A model loaded in full on
         every rank is kept, with a warning."""
-        from shardtrain.train.arguments import TrainingArgumentsError
+        from shardtrain.errors import TrainingArgumentsError
 
         if self.world_size == 1:
             return False

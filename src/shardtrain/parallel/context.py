@@ -33,7 +33,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from shardtrain.errors import UserError
+from shardtrain.errors import ContextParallelError
 
 ATTENTION_NAME = "shardtrain_cp"  # the name in transformers' AttentionInterface / AttentionMaskInterface
 SHARD_KWARG = "shardtrain_cp"  # the forward argument that carries a rank's CPShard down to the attention
@@ -42,10 +42,6 @@ _SEQUENCE_KEYS = ("input_ids", "token_type_ids", "position_ids", "labels", "shif
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "position_bias", "cu_seq_lens_q", "cu_seq_lens_k")
-
-
-class ContextParallelError(UserError, ValueError):
-    """A model or batch that context parallelism cannot run; the message names it and the fix."""
 
 
 @dataclass(eq=False)

@@ -29,11 +29,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardtrain.config.fsdp_config import FSDPConfig
-from shardtrain.errors import UserError
-
-
-class ParallelDimsError(UserError, ValueError):
-    """Parallel sizes that do not fit the ranks; the message names the sizes and a fix."""
+from shardtrain.errors import ParallelDimsError
 
 
 @dataclass(kw_only=True, frozen=True)

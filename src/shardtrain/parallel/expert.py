@@ -25,15 +25,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from shardtrain.errors import UserError
+from shardtrain.errors import ExpertParallelError
 from shardtrain.parallel.tensor import plan_matches, prefixed_plan
 
 EP_FLAG = "_shardtrain_expert_parallel"  # set on experts modules; apply_fsdp shards them over the efsdp mesh
 GRAD_RESCALE = "_shardtrain_grad_rescale"  # set by apply_fsdp where FSDP cannot apply the experts' divisor
-
-
-class ExpertParallelError(UserError, ValueError):
-    """A model or size expert parallelism cannot run; the message names it and the fix."""
 
 
 def model_ep_plan(model: nn.Module) -> dict[str, str]:

@@ -25,7 +25,8 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.activation_checkpoint import wrap_checkpointing
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device

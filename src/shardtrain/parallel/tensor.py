@@ -25,11 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from shardtrain.errors import UserError
-
-
-class TensorParallelError(UserError, ValueError):
-    """A model or plan tensor parallelism cannot run; the message names it and the fix."""
+from shardtrain.errors import TensorParallelError
 
 
 def _style(name: str) -> ParallelStyle | None:

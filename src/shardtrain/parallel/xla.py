@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.backend import TrainingBackend
 from shardtrain.parallel.fsdp import find_fsdp_units
 from shardtrain.parallel.xla_state import XlaStates, register_xla_rng

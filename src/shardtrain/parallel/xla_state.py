@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.model_state import EXTRA_RNG, clean_name, tied_aliases
+from shardtrain.errors import CheckpointError
 
 
 def register_xla_rng() -> None:

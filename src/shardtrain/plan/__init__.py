@@ -8,7 +8,7 @@
 import sys
 import types
 
-from shardtrain.plan.model_source import PlanError
+from shardtrain.errors import PlanError
 from shardtrain.plan.planner import Plan, plan
 
 __all__ = ["Plan", "PlanError", "plan"]

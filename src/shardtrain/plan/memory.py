@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from shardtrain.plan.model_source import PlanError
+from shardtrain.errors import PlanError
 from shardtrain.plan.trace import ACTIVATION, GATHERED, GRAD_BUFFERS, STATE_GRAD, STATE_OPT, STATE_PARAM, StepTrace
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,

@@ -22,11 +22,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from shardtrain.errors import UserError
-
-
-class PlanError(UserError, ValueError):
-    """A planner input that cannot be used; the message names the input, its value and the fix."""
+from shardtrain.errors import PlanError
 
 
 def _read_config(path: Path) -> Any:

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from shardtrain.config.fsdp_config import AC_MODES, FSDPConfig, parse_activation_checkpointing
+from shardtrain.errors import PlanError
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.plan.lifecycle import PhaseMemory, lifecycle_rows
 from shardtrain.plan.memory import MemoryRow, device_peak, fit_advice, memory_rows, parse_bytes
-from shardtrain.plan.model_source import PlanError, model_builder
+from shardtrain.plan.model_source import model_builder
 from shardtrain.plan.trace import StepSetup, StepTrace, trace_step
 
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
@@ -162,7 +163,8 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
                         f"2 x cp chunks; use a multiple of {2 * dims.cp}")
     precision = "bf16" if bf16 else (config.mixed_precision or "no")
     try:
-        from shardtrain.train.chunked_loss import ChunkedLossError, parse_setting
+        from shardtrain.errors import ChunkedLossError
+        from shardtrain.train.chunked_loss import parse_setting
 
         loss_chunk_size = parse_setting(loss_chunk_size)
     except ChunkedLossError as err:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardtrain.plan.model_source import PlanError
+from shardtrain.errors import PlanError
 from shardtrain.plan.trace import StepTrace
 
 

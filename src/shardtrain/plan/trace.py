@@ -30,10 +30,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import PlanError
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.plan.experts import GroupedMmShapes
 from shardtrain.plan.lifecycle import TensorLayout, tensor_layout
-from shardtrain.plan.model_source import PlanError, to_fake
+from shardtrain.plan.model_source import to_fake
 from shardtrain.plan.trace_modes import (
     CollectiveCounter,
     GlooCopies,

@@ -31,8 +31,8 @@ from typing import Any
 import transformers
 
 from shardtrain.config import env
-from shardtrain.config.fsdp_config import FSDPConfig, FSDPConfigError, parse_fsdp_option
-from shardtrain.errors import UserError, install_error_hook
+from shardtrain.config.fsdp_config import FSDPConfig, parse_fsdp_option
+from shardtrain.errors import FSDPConfigError, TrainingArgumentsError, UserError, install_error_hook
 from shardtrain.train import hf_compat
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -55,6 +55,8 @@ IMPLEMENTED_HF = frozenset({
     "activation_checkpointing_kwargs", "fsdp", "fsdp_config", "report_to", "dataloader_num_workers",
     "dataloader_pin_memory", "dataloader_prefetch_factor", "remove_unused_columns", "disable_tqdm", "use_cpu",
     "ddp_timeout", "parallelism_config", "torch_compile", "torch_compile_backend", "torch_compile_mode",
+    "label_smoothing_factor", "neftune_noise_alpha", "logging_nan_inf_filter", "enable_jit_checkpoint", "tf32",
+    "torch_empty_cache_steps",
 })
 
 
@@ -69,10 +71,6 @@ class _Unset:
 
 
 UNSET: Any = _Unset()
-
-
-class TrainingArgumentsError(UserError, ValueError):
-    """An argument that cannot be used; the message names the field and the fix."""
 
 
 def _help(text: str) -> dict[str, Any]:
@@ -91,6 +89,9 @@ class TrainingArguments(transformers.TrainingArguments):
     # Hugging Face's fields whose unset value means "the launcher's setting" (their default is False)
     bf16: bool = field(default=UNSET, metadata={"help": "bf16 mixed precision (unset: the launcher's choice)"})
     fp16: bool = field(default=UNSET, metadata={"help": "fp16 mixed precision (unset: the launcher's choice)"})
+    # Hugging Face's since transformers 5.24 (gradient_checkpointing's new name); declared for older releases
+    activation_checkpointing: bool | None = _help("activation checkpointing (under FSDP: FSDP's own, per layer)")
+    activation_checkpointing_kwargs: dict | str | None = _help("kwargs of the model's gradient_checkpointing_enable")
     # shardtrain's own
     cp_size: int | None = _help("context-parallel size (causal LMs: sequences split over cp ranks)")
     cp_regather_kv: bool = field(default=True, metadata={"help": "context parallel: all-gather K/V again in "
@@ -184,10 +185,12 @@ class TrainingArguments(transformers.TrainingArguments):
                 dist.barrier()
 
     def to_dict(self) -> dict[str, Any]:
-        """Hugging Face's dict, with the parsed FSDP config as its dict."""
+        """Hugging Face's dict, with the parsed FSDP config as its dict and what was resolved from it and the
+        launcher (`fsdp_enabled`, `parallel_sizes`)."""
         out = super().to_dict()
         if isinstance(self.fsdp_config, FSDPConfig):
             out["fsdp_config"] = self.fsdp_config.to_dict()
+        out.update(fsdp_enabled=self.fsdp_enabled, parallel_sizes=dict(self.parallel_sizes))
         return out
 
     # -- what the Trainer reads -------------------------------------------------------------------------
@@ -255,6 +258,12 @@ class TrainingArguments(transformers.TrainingArguments):
             self._fail("output_dir", f"must be a directory path, got {self.output_dir!r}")
         self.output_dir = str(self.output_dir)
         self._resolve_parallelism()
+        smoothing = self.label_smoothing_factor
+        if isinstance(smoothing, bool) or not isinstance(smoothing, int | float) or not 0 <= smoothing < 1:
+            self._fail("label_smoothing_factor", f"must be a number in [0, 1), got {smoothing!r}")
+        alpha = self.neftune_noise_alpha
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha < 0):
+            self._fail("neftune_noise_alpha", f"must be None or a number >= 0, got {alpha!r}")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "cp_size", "sp_size", "tp_size", "ep_size"):
             value = getattr(self, name)
@@ -295,7 +304,8 @@ class TrainingArguments(transformers.TrainingArguments):
     def _resolve_parallelism(self) -> None:
         """`parallel_sizes` from, key by key: `cp_size`/`tp_size`/`ep_size` or `parallelism_config` (the script),
         else the launcher's SHARDTRAIN_PARALLELISM; the script wins. Unset sizes are left to ParallelDims."""
-        from shardtrain.config.parallelism import ParallelismError, from_env, read_parallelism
+        from shardtrain.config.parallelism import from_env, read_parallelism
+        from shardtrain.errors import ParallelismError
 
         try:
             script, _ = read_parallelism(self.parallelism_config, "TrainingArguments.parallelism_config")
@@ -328,7 +338,8 @@ class TrainingArguments(transformers.TrainingArguments):
             setattr(self, name, getattr(getattr(self, name), "value", getattr(self, name)))
             if getattr(self, name) not in allowed:
                 self._fail(name, f"got {getattr(self, name)!r}; allowed values: {list(allowed)}")
-        from shardtrain.train.chunked_loss import ChunkedLossError, parse_setting  # imports torch: only here
+        from shardtrain.errors import ChunkedLossError
+        from shardtrain.train.chunked_loss import parse_setting
 
         try:  # off, tokens per chunk or "auto" (a command line gives text)
             self.loss_chunk_size = parse_setting(self.loss_chunk_size)
@@ -409,6 +420,11 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.torch_compile and self.ep_size > 1:
             self._fail("torch_compile", f"with ep_size = {self.ep_size} is not supported yet (the expert dispatch "
                        "reads token counts back every layer, which breaks compiled graphs); use one of them")
+        if self.neftune_noise_alpha and (self.cp_size > 1 or self.tp_size > 1):
+            self._fail("neftune_noise_alpha", "scales its noise by the sequence length and hidden size each rank "
+                       "sees, which context and tensor parallelism split; use it with cp_size = tp_size = 1")
+        if self.label_smoothing_factor and self.loss_chunk_size:
+            self._fail("label_smoothing_factor", "is not implemented with loss_chunk_size yet; unset one of them")
         if self.cp_size > 1 and self.tp_size > 1:
             self._fail("cp_size", f"= {self.cp_size} with tp_size = {self.tp_size}: context and tensor parallelism "
                        "together are not tested yet; use one of them")
@@ -433,7 +449,10 @@ class TrainingArguments(transformers.TrainingArguments):
                 self._fail("save_steps", "must be a multiple of eval_steps when load_best_model_at_end is set")
         if self.save_strategy == "best" and self.eval_strategy == "no":
             self._fail("save_strategy", "'best' needs an evaluation: set eval_strategy 'steps' or 'epoch'")
-        if self.metric_for_best_model is None and (self.load_best_model_at_end or self.save_strategy == "best"):
+        if self.save_strategy == "best" and self.metric_for_best_model is None and not self.load_best_model_at_end:
+            self._fail("save_strategy", "'best' needs metric_for_best_model (the metric that decides, e.g. "
+                       "'eval_loss' or 'accuracy'), as in Hugging Face")
+        if self.metric_for_best_model is None and self.load_best_model_at_end:
             self.metric_for_best_model = "loss"
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardtrain.errors import UserError
+from shardtrain.errors import ChunkedLossError
 from shardtrain.train.data import IGNORE_INDEX
 
 AUTO = "auto"
@@ -41,10 +41,6 @@ POST_HEAD_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "o
 # "auto": the largest power of two of tokens whose fp32 logits fit this, but at least AUTO_MIN_TOKENS tokens
 AUTO_CHUNK_BYTES = 256 * 2**20
 AUTO_MIN_TOKENS = 128
-
-
-class ChunkedLossError(UserError, ValueError):
-    """`loss_chunk_size` asked for chunking on a model (or setup) where the chunked loss would not be exact."""
 
 
 def parse_setting(value: Any) -> int | str | None:

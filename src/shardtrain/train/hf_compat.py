@@ -20,8 +20,6 @@ REFUSED: dict[str, str] = {
     "deepspeed": "shardtrain shards with FSDP2; drop --deepspeed and use --fsdp / fsdp_config",
     "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
     "auto_find_batch_size": "set per_device_train_batch_size yourself (batches must be equal on every rank)",
-    "label_smoothing_factor": "not implemented; the loss would differ from Hugging Face's",
-    "neftune_noise_alpha": "not implemented; the training inputs would differ from Hugging Face's",
     "include_for_metrics": "compute_metrics receives predictions and label_ids only",
     "batch_eval_metrics": "compute_metrics runs once over the whole evaluation set",
     "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
@@ -43,6 +41,7 @@ NO_EFFECT: dict[str, str] = {
     "eval_use_gather_object": "predictions are always gathered as arrays",
     "label_names": "labels are read from 'labels' ('label' and 'label_ids' are renamed to it)",
     "dataloader_persistent_workers": "the DataLoader is rebuilt once per epoch",
+    "eval_accumulation_steps": "predictions move to host memory after every batch (device memory stays bounded)",
 }
 DEFAULT_NO_EFFECT_REASON = "no effect in shardtrain"
 
@@ -138,5 +137,11 @@ FIELD_NOTES = {
     "bf16": "unset: the launcher's mixed precision",
     "save_strategy": "'no', 'steps', 'epoch', 'best'",
     "use_cpu": "CPU and gloo even when a GPU is visible",
-    "activation_checkpointing": "same as fsdp_config activation_checkpointing",
+    "activation_checkpointing": "under FSDP: fsdp_config activation_checkpointing; else the model's own",
+    "label_smoothing_factor": "exact (token and class cross entropy); refused with a model's own loss",
+    "neftune_noise_alpha": "transformers' NEFTune hook on the input embeddings while training (not with tp/cp)",
+    "logging_nan_inf_filter": "as Hugging Face: a non-finite step loss is replaced in the logged average",
+    "enable_jit_checkpoint": "always on: SIGTERM checkpoints the last finished step and exits 143",
+    "tf32": "Hugging Face's own setting (CUDA only)",
+    "torch_empty_cache_steps": "empties the CUDA cache every N steps, as Hugging Face",
 }

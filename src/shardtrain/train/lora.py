@@ -21,13 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.errors import UserError
+from shardtrain.errors import PeftError
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file name
-
-
-class PeftError(UserError, ValueError):
-    """LoRA / PEFT used in a way shardtrain cannot run; the message names the fix."""
 
 
 def require_peft() -> Any:

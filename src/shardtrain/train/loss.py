@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtrain.errors import UserError
+from shardtrain.errors import ChunkedLossError, LossError
 from shardtrain.parallel.context import SHARD_KWARG
-from shardtrain.train.chunked_loss import ChunkedLossError, chunked_cross_entropy, head_returns_input, output_head
+from shardtrain.train.chunked_loss import chunked_cross_entropy, head_returns_input, output_head
 from shardtrain.train.data import IGNORE_INDEX
 
 
@@ -119,10 +119,6 @@ def _without_logits(outputs: Any) -> Any:
 LABEL_KEYS = ("labels", "shift_labels")
 
 
-class LossError(UserError, TypeError):
-    """A model whose outputs the Trainer cannot compute a loss from; the message says what to return."""
-
-
 def _input_tokens(batch: dict[str, Any]) -> torch.Tensor:
     """Input tokens (Hugging Face's num_input_tokens_seen); samples for models without token inputs."""
     shard = batch.get(SHARD_KWARG)
@@ -148,12 +144,13 @@ class LossComputer:
     """
 
     def __init__(self, model: nn.Module, device: torch.device, bf16_autocast: bool = False,
-                 chunk_size: int = 0) -> None:
+                 chunk_size: int = 0, label_smoothing: float = 0.0) -> None:
         self.model, self.device = model, device
         self.shift_labels = is_causal_lm(model)
         self.kind = loss_kind(model)
         self.bf16_autocast = bf16_autocast
         self.chunk_size = chunk_size
+        self.label_smoothing = float(label_smoothing)  # Hugging Face's label_smoothing_factor (torch's formula)
         self.placeholder = False  # the current micro-batch stands in for no sample (an epoch's short end)
         self._config = getattr(model, "config", None)
 
@@ -224,10 +221,11 @@ class LossComputer:
             config = getattr(self.model, "config", None)
             if config is not None and getattr(config, "problem_type", "") is None:
                 config.problem_type = "single_label_classification"  # what the model itself would record
-            return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"), outputs
+            return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum",
+                                   label_smoothing=self.label_smoothing), outputs
         # `targets` shifted the labels, not the logits: no copy of the logits, no padded grad
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+                               ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=self.label_smoothing)
         return loss, outputs
 
     def _model_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
+from shardtrain.errors import PeftError, TrainingArgumentsError
 from shardtrain.parallel.backend import apply_parallelism
 from shardtrain.parallel.loading import load_pretrained
-from shardtrain.train.arguments import TrainingArgumentsError
-from shardtrain.train.lora import PeftError, add_adapters, is_peft_model
+from shardtrain.train.lora import add_adapters, is_peft_model
 from shardtrain.train.loss import is_causal_lm
 from shardtrain.train.router_loss import RouterLoss
 

@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.errors import CheckpointError
 from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, CheckpointManager
-from shardtrain.train.arguments import TrainingArgumentsError
-from shardtrain.train.validation import DataError, ModelLimits, validate_dataset
+from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
+from shardtrain.train.validation import ModelLimits, validate_dataset
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker; > 0 after a restart
 

@@ -3,6 +3,7 @@ and how the best checkpoint is tracked. Part of `Trainer`."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,15 @@ import torch
 
 from shardtrain.checkpoint.manager import PREFIX
 from shardtrain.train.logging import memory_kind, peak_memory_mb
+
+
+def nan_inf_filtered(losses: list[float]) -> list[float]:
+    """Hugging Face's `logging_nan_inf_filter`: the j-th step of a logging window whose loss is nan or inf counts
+    as (sum of the window's earlier losses) / (j + 1), as `transformers.Trainer` accumulates it."""
+    out: list[float] = []
+    for loss in losses:
+        out.append(loss if math.isfinite(loss) else sum(out) / (len(out) + 1))
+    return out
 
 
 class StepFlowMixin:
@@ -25,6 +35,8 @@ class StepFlowMixin:
             sums = torch.stack([s for s, _ in window])
             self.backend.all_reduce(sums, group=self.meshes.loss.get_group())  # every token's loss once
             losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
+            if args.logging_nan_inf_filter:
+                losses = nan_inf_filtered(losses)
             self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
             logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
                     "learning_rate": self._step_lr, **self._throughput_and_memory()}

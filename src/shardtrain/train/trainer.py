@@ -25,17 +25,18 @@ import torch
 import transformers
 from torch import nn
 from torch.utils.data import DataLoader
+from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
-from shardtrain.errors import install_error_hook
+from shardtrain.errors import DataError, OutputDirError, TrainingArgumentsError, install_error_hook
 from shardtrain.parallel.backend import make_backend
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.expert import rescale_expert_grads
-from shardtrain.train.arguments import TrainingArguments, TrainingArgumentsError
+from shardtrain.train.arguments import TrainingArguments
 from shardtrain.train.chunked_loss import resolve_chunk_size
 from shardtrain.train.data import (
     BatchPlan,
@@ -58,7 +59,7 @@ from shardtrain.train.router_loss import RouterLoss
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step_flow import StepFlowMixin
 from shardtrain.train.trainer_api import TrainerAPIMixin
-from shardtrain.train.validation import DataError, OutputDirError, agree, writable_problem
+from shardtrain.train.validation import agree, writable_problem
 
 
 def set_seed(seed: int) -> None:
@@ -151,7 +152,12 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
                                    device_type=self.device.type)
         self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled,
-                                 chunk_size=chunk)
+                                 chunk_size=chunk, label_smoothing=args.label_smoothing_factor)
+        if args.label_smoothing_factor and self.loss.kind == "model":
+            raise TrainingArgumentsError(
+                f"TrainingArguments.label_smoothing_factor = {args.label_smoothing_factor} with "
+                f"{type(self.model).__name__}, which is trained on its own loss (not a cross entropy shardtrain "
+                "computes); set label_smoothing_factor 0, or smooth the labels in the model's loss")
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
         self._micro_batches = 1  # of the current optimizer step (training_step sets it)
         self._check_given_optimizer()
@@ -213,9 +219,22 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """Hugging Face's optimizer (`get_decay_parameter_names` grouping, `args.optim`, one param group per
-        device mesh), built on the sharded parameters the Trainer holds."""
-        return super().create_optimizer(model)
+        """Hugging Face's optimizer: `get_decay_parameter_names` grouping, `optimizer_cls_and_kwargs` or
+        `get_optimizer_cls_and_kwargs(args)`, built on the sharded parameters the Trainer holds.
+
+        Unlike transformers 5.24 the two groups are not split per device mesh: the groups then do not depend on
+        the layout, so a checkpoint resumes on another one (with or without expert parallelism); torch's fused
+        and foreach AdamW step parameters of several meshes in one group.
+        """
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            decay = set(self.get_decay_parameter_names(opt_model))
+            params = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
+            cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = cls(groups, **kwargs)
+        return self.optimizer
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: transformers.TrainingArguments, model: Any = None) -> tuple[Any, Any]:
@@ -298,6 +317,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
             self.evaluate()
         self.is_in_train = True
         self.preemption.install()
+        neftune = activate_neftune(self.model, self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         try:
             self._train_loop(plan, max_steps)
         except KeyboardInterrupt:
@@ -308,6 +328,8 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         except Preempted as preempted:
             self._checkpoint_and_exit(preempted)
         finally:
+            if neftune is not None:
+                deactivate_neftune(self.model, neftune)
             self.preemption.uninstall()
             self.is_in_train = False
         # An async save still in flight is committed (or its error raised on every rank) before train() returns.
@@ -511,6 +533,9 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         """
         model.train()
         inputs = self._prepare_inputs(inputs)
+        every = self.args.torch_empty_cache_steps
+        if every and self.state.global_step % every == 0 and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # as Hugging Face: lower peak reserved memory, at a speed cost
         if num_items_in_batch is None:  # called on its own: this micro-batch's tokens
             num_items_in_batch = self.loss.items(inputs)
         if self._custom_loss or self.router_loss.enabled:

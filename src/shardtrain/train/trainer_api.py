@@ -15,24 +15,12 @@ from transformers.trainer_utils import PredictionOutput, speed_metrics
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_checkpoint
 from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
 from shardtrain.checkpoint.model_state import model_config_dict
-from shardtrain.errors import UserError
-from shardtrain.train.arguments import TrainingArgumentsError
+from shardtrain.errors import DataError, HubError, OutputDirError, TrainingArgumentsError
 from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, passthrough
 from shardtrain.train.evaluation import EvalLoop
 from shardtrain.train.generation import generate_answers
 from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
-from shardtrain.train.validation import (
-    DataError,
-    ModelLimits,
-    OutputDirError,
-    agree,
-    validate_dataset,
-    writable_problem,
-)
-
-
-class HubError(UserError, RuntimeError):
-    """push_to_hub: shardtrain does not upload."""
+from shardtrain.train.validation import ModelLimits, agree, validate_dataset, writable_problem
 
 
 class TrainerAPIMixin:

@@ -21,12 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.errors import UserError
+from shardtrain.errors import DataError, UserError
 from shardtrain.train.data import IGNORE_INDEX
-
-
-class DataError(UserError, ValueError):
-    """A dataset the Trainer cannot train on; the message names the dataset, the sample and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,10 +192,6 @@ def writable_problem(directory: str | Path, what: str) -> str | None:
         return (f"{what} {str(path)!r} is not writable ({err.strerror or err}); choose a directory you can write "
                 "to")
     return None
-
-
-class OutputDirError(UserError, OSError):
-    """An output directory that cannot be written."""
 
 
 def agree(problem: str | None, error: type[UserError] = DataError) -> None:

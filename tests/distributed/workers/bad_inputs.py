@@ -126,7 +126,7 @@ for field, value, words in [
     ("gradient_accumulation_steps", 0, ["gradient_accumulation_steps"]), ("max_steps", 0, ["max_steps"]),
     ("max_steps", -5, ["max_steps"]), ("warmup_steps", -1, ["warmup_steps"]), ("logging_steps", 0, ["logging_steps"]),
     ("save_steps", 0, ["save_steps"]), ("save_total_limit", 0, ["save_total_limit"]), ("eval_steps", 0, ["eval_steps"]),
-    ("lr_scheduler_type", "cosine_warm", ["lr_scheduler_type", "cosine_warm"]), ("optim", "sgd", ["optim", "sgd"]),
+    ("lr_scheduler_type", "cosine_warm", ["lr_scheduler_type", "cosine_warm"]), ("optim", "adafactor", ["optim", "adafactor"]),
     ("eval_strategy", "sometimes", ["eval_strategy", "sometimes"]), ("report_to", "wandb", ["report_to", "wandb"]),
     ("bf16", "yes", ["bf16", "'yes'"]), ("ddp_timeout", 0, ["ddp_timeout"]), ("ddp_timeout", "30", ["ddp_timeout"]),
     ("resume_from_checkpoint", 3, ["resume_from_checkpoint", "3"]), ("dataloader_num_workers", -1, ["dataloader"]),

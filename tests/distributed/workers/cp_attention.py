@@ -115,7 +115,7 @@ def model_cases(cp: ContextParallel) -> list[dict]:
 
 def refusals(cp: ContextParallel) -> dict[str, str]:
     """Messages of what the gathered-K/V path refuses instead of computing something else."""
-    from shardtrain.parallel.context import ContextParallelError
+    from shardtrain.errors import ContextParallelError
 
     out = {}
     ids = torch.randint(1, 64, (1, 8))

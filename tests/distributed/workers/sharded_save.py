@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import shardtrain.checkpoint.hf_export as hf_export
 from shardtrain import Trainer, TrainingArguments, destroy_distributed
 from shardtrain.checkpoint.model_state import full_model_state
-from shardtrain.train.validation import OutputDirError
+from shardtrain.errors import OutputDirError
 
 COUNTS = {"full_tensor_bytes": 0, "consolidated": []}
 

@@ -1,0 +1,44 @@
+"""Hugging Face fields that change what is trained do what they do under transformers' Trainer
+(`workers/hf_fields.py`): label_smoothing_factor on a classifier and a causal LM, optim "sgd" and "rmsprop"
+give transformers' losses on one process (1e-5) and the same on two ranks; neftune_noise_alpha adds noise
+while training only (its hook is gone afterwards)."""
+
+from pathlib import Path
+
+import pytest
+from launch import python, read_json, torchrun
+
+WORKER = Path(__file__).parent / "workers" / "hf_fields.py"
+HF_CASES = ("smooth_cls", "smooth_lm", "sgd", "rmsprop")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_fields")
+    python(WORKER, "hf", str(root / "hf"))
+    python(WORKER, "ours", str(root / "ours1"))
+    torchrun(WORKER, 2, "ours", str(root / "ours2"))
+    return root
+
+
+@pytest.mark.parametrize("name", HF_CASES)
+def test_equal_to_transformers_and_on_two_ranks(runs, name):
+    hf, one, two = (read_json(runs / run / f"{name}.json") for run in ("hf", "ours1", "ours2"))
+    assert one["losses"] == pytest.approx(hf["losses"], abs=1e-5) and len(one["losses"]) == 3
+    assert one["eval_loss"] == pytest.approx(hf["eval_loss"], abs=1e-5)
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
+
+
+def test_label_smoothing_and_optimizers_really_change_the_run(runs):
+    plain = read_json(runs / "ours1" / "plain.json")
+    smoothed = read_json(runs / "ours1" / "smooth_cls.json")
+    assert smoothed["losses"][0] != pytest.approx(plain["losses"][0], abs=1e-4)  # same weights, smoothed loss
+    assert read_json(runs / "ours1" / "sgd.json")["optimizer"] == "SGD"
+    assert read_json(runs / "ours1" / "rmsprop.json")["optimizer"] == "RMSprop"
+
+
+def test_neftune_noise_applies_while_training_only(runs):
+    plain, noisy = read_json(runs / "ours1" / "plain.json"), read_json(runs / "ours1" / "neftune.json")
+    assert noisy["losses"][0] != pytest.approx(plain["losses"][0], abs=1e-5)  # noise in the first forward
+    assert noisy["hooks_left"] == 0  # deactivated after train(): evaluation and saving see clean embeddings
