@@ -43,6 +43,15 @@ def python(script: str | Path, *args: str, timeout: float = 600, env: dict | Non
     return proc
 
 
+def hf_and_ours(script: str | Path, root: Path) -> Path:
+    """Run a worker that takes `hf|ours OUT` three ways: transformers' Trainer (root/hf), shardtrain's on one
+    process (root/ours1) and on two ranks (root/ours2); returns root."""
+    python(script, "hf", str(root / "hf"))
+    python(script, "ours", str(root / "ours1"))
+    torchrun(script, 2, "ours", str(root / "ours2"))
+    return root
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

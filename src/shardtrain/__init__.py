@@ -12,17 +12,19 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CheckpointError": "shardtrain.checkpoint.errors",
+    "CheckpointError": "shardtrain.errors",
+    "DataError": "shardtrain.errors",
     "CheckpointManager": "shardtrain.checkpoint.manager",
     "EvalPrediction": "shardtrain.train.evaluation",
     "FSDPConfig": "shardtrain.config.fsdp_config",
-    "FSDPConfigError": "shardtrain.config.fsdp_config",
+    "FSDPConfigError": "shardtrain.errors",
     "Trainer": "shardtrain.train.trainer",
     "TrainerCallback": "shardtrain.train.state",
     "TrainerControl": "shardtrain.train.state",
     "TrainerState": "shardtrain.train.state",
     "TrainingArguments": "shardtrain.train.arguments",
-    "TrainingArgumentsError": "shardtrain.train.arguments",
+    "TrainingArgumentsError": "shardtrain.errors",
+    "UserError": "shardtrain.errors",
     "apply_fsdp": "shardtrain.parallel.fsdp",
     "destroy_distributed": "shardtrain.parallel.distributed",
     "init_distributed": "shardtrain.parallel.distributed",

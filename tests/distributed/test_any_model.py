@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from launch import python, read_json, torchrun
+from launch import hf_and_ours, read_json
 
 WORKER = Path(__file__).parent / "workers" / "any_model.py"
 HF_CASES = ("regression", "tuple", "vit", "multilabel", "siamese")
@@ -20,11 +20,7 @@ CASES = (*HF_CASES, "regression_dropout")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("any_model")
-    python(WORKER, "hf", str(root / "hf"))
-    python(WORKER, "ours", str(root / "ours1"))
-    torchrun(WORKER, 2, "ours", str(root / "ours2"))
-    return root
+    return hf_and_ours(WORKER, tmp_path_factory.mktemp("any_model"))
 
 
 @pytest.mark.parametrize("name", HF_CASES)

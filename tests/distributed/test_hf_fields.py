@@ -6,7 +6,7 @@ while training only (its hook is gone afterwards)."""
 from pathlib import Path
 
 import pytest
-from launch import python, read_json, torchrun
+from launch import hf_and_ours, read_json
 
 WORKER = Path(__file__).parent / "workers" / "hf_fields.py"
 HF_CASES = ("smooth_cls", "smooth_lm", "sgd", "rmsprop")
@@ -14,11 +14,7 @@ HF_CASES = ("smooth_cls", "smooth_lm", "sgd", "rmsprop")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf_fields")
-    python(WORKER, "hf", str(root / "hf"))
-    python(WORKER, "ours", str(root / "ours1"))
-    torchrun(WORKER, 2, "ours", str(root / "ours2"))
-    return root
+    return hf_and_ours(WORKER, tmp_path_factory.mktemp("hf_fields"))
 
 
 @pytest.mark.parametrize("name", HF_CASES)
