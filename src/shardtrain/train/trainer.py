@@ -482,14 +482,15 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
                               torch.tensor(float(self.preemption.requested), dtype=torch.float64,
                                            device=self.device)])
         self.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
-        if header[1].item() > 0:
+        counted, stop = header.tolist()  # one device sync for both
+        if stop > 0:
             raise Preempted(self.state.global_step)
-        num_items = (header[0] / self.dims.tp).round().to(torch.int64)
-        if num_items.item() == 0:  # every rank knows the global count: all raise together, before a useless update
+        items = round(counted / self.dims.tp)
+        if items == 0:  # every rank knows the global count: all raise together, before a useless update
             raise DataError(f"the global batch of step {self.state.global_step + 1} has no target token (every "
                             "label is -100); make sure each batch has labels to learn from (longer samples, or "
                             "a larger batch)")
-        return num_items
+        return torch.tensor(items, dtype=torch.int64, device=self.device)
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:
