@@ -26,6 +26,8 @@ _EXPORTS = {
     "TrainingArgumentsError": "shardtrain.errors",
     "UserError": "shardtrain.errors",
     "apply_fsdp": "shardtrain.parallel.fsdp",
+    "arguments_on_engine": "shardtrain.train.compose",
+    "on_engine": "shardtrain.train.compose",
     "destroy_distributed": "shardtrain.parallel.distributed",
     "init_distributed": "shardtrain.parallel.distributed",
     "load_pretrained": "shardtrain.parallel.loading",

@@ -56,7 +56,7 @@ IMPLEMENTED_HF = frozenset({
     "dataloader_pin_memory", "dataloader_prefetch_factor", "remove_unused_columns", "disable_tqdm", "use_cpu",
     "ddp_timeout", "parallelism_config", "torch_compile", "torch_compile_backend", "torch_compile_mode",
     "label_smoothing_factor", "neftune_noise_alpha", "logging_nan_inf_filter", "enable_jit_checkpoint", "tf32",
-    "torch_empty_cache_steps",
+    "torch_empty_cache_steps", "use_cache", "average_tokens_across_devices",
 })
 
 

@@ -83,7 +83,7 @@ class EvalLoop:
                 indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
                 # collated under its own seed: a collator that draws random numbers leaves dropout's RNG alone
                 seeded = SeededIndices(indices, derive_seed(self.seed, "eval", step, self.dp_rank))
-                batch = {k: v.to(self.device) for k, v in data.__getitems__(seeded).items()}
+                batch = self.backend.to_device(data.__getitems__(seeded))
                 inputs = self.prepare(batch) if self.prepare is not None else batch
                 real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
                 if self.prediction_step is not None:

@@ -30,7 +30,6 @@ REFUSED: dict[str, str] = {
 # Accepted and ignored, with the reason given in the warning and the README table.
 NO_EFFECT: dict[str, str] = {
     "local_rank": "set by launchers; shardtrain reads RANK / LOCAL_RANK from torchrun",
-    "average_tokens_across_devices": "the loss is always the mean over every target token of the global batch",
     "eval_do_concat_batches": "evaluation predictions are always concatenated",
     "include_num_input_tokens_seen": "always tracked (TrainerState.num_input_tokens_seen)",
     "skip_memory_metrics": "peak memory per rank is always logged",
@@ -144,4 +143,7 @@ FIELD_NOTES = {
     "enable_jit_checkpoint": "always on: SIGTERM checkpoints the last finished step and exits 143",
     "tf32": "Hugging Face's own setting (CUDA only)",
     "torch_empty_cache_steps": "empties the CUDA cache every N steps, as Hugging Face",
+    "use_cache": "as Hugging Face: sets model.config.use_cache (off: packed rows get block-diagonal masks)",
+    "average_tokens_across_devices": "compute_loss's scale (x ranks), as Hugging Face; the step loss is the global "
+                                     "token mean either way",
 }

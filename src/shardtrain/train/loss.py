@@ -179,17 +179,20 @@ class LossComputer:
             return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         return labels
 
-    def items(self, batch: dict[str, Any], placeholder: bool | None = None) -> torch.Tensor:
-        """Target tokens (or samples) of `batch` that the loss is summed over."""
-        if self.uses_model_loss(batch):
-            placeholder = self.placeholder if placeholder is None else placeholder
-            return torch.tensor(0 if placeholder else batch_rows(batch))
+    def items(self, batch: dict[str, Any], placeholder: bool | None = None, by_samples: bool = False) -> torch.Tensor:
+        """Target tokens (or samples: a model's own loss, or `by_samples`) of `batch` that the loss is summed over."""
+        placeholder = self.placeholder if placeholder is None else placeholder
+        if placeholder:  # whatever a collator made of the placeholder sample (e.g. labels from a completion mask)
+            return torch.tensor(0)
+        if by_samples or self.uses_model_loss(batch):
+            return torch.tensor(batch_rows(batch))
         return (self.targets(batch) != IGNORE_INDEX).sum()
 
-    def local_counts(self, batches: list[dict[str, Any]], placeholders: list[bool] | None = None) -> torch.Tensor:
-        """(target tokens, input tokens) of this rank's micro-batches, float64 on the device, not reduced."""
+    def local_counts(self, batches: list[dict[str, Any]], placeholders: list[bool] | None = None,
+                     by_samples: bool = False) -> torch.Tensor:
+        """(target tokens or samples, input tokens) of this rank's micro-batches, float64 on the device."""
         placeholders = placeholders or [False] * len(batches)
-        targets = sum(self.items(batch, p) for batch, p in zip(batches, placeholders, strict=True))
+        targets = sum(self.items(batch, p, by_samples) for batch, p in zip(batches, placeholders, strict=True))
         inputs = sum(_input_tokens(batch) for batch in batches)
         return torch.stack([torch.as_tensor(targets), torch.as_tensor(inputs)]).to(self.device, torch.float64)
 

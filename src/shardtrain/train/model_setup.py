@@ -19,6 +19,9 @@ from shardtrain.train.lora import add_adapters, is_peft_model
 from shardtrain.train.loss import is_causal_lm
 from shardtrain.train.router_loss import RouterLoss
 
+# attributes where libraries built on Hugging Face's Trainer keep frozen models next to the trained one
+SIDE_MODELS = ("ref_model", "teacher_model", "reward_model")
+
 
 class ModelSetupMixin:
     """`_prepare_model` (once, in `Trainer.__init__`) and `_model_inputs` (every batch)."""
@@ -58,6 +61,15 @@ class ModelSetupMixin:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return self.backend.parallelize(model, self)
 
+    def _parallelize_side_models(self) -> None:
+        """A library's frozen extra models (TRL's `ref_model`, `teacher_model`, ...) sharded like the trained one,
+        on the same meshes, so that no rank holds a full copy while training; they run in eval mode."""
+        for name in SIDE_MODELS:
+            side = getattr(self, name, None)
+            if isinstance(side, nn.Module) and side is not self.model and not self.backend.is_sharded(side):
+                side.requires_grad_(False)
+                setattr(self, name, self.backend.parallelize(side, self).eval())
+
     def _compile_options(self) -> dict[str, Any] | None:
         """`torch.compile` options from TrainingArguments (Hugging Face's names); None when compile is off."""
         args = self.args
@@ -80,11 +92,15 @@ class ModelSetupMixin:
                 "set cp_size to 1, or config.output_router_logits = False")
         self.cp.enable(model)
 
+    # a causal LM batch without labels learns every token; a library's trainer (shardtrain.on_engine) gets its
+    # collator's batches as they are, as under Hugging Face
+    labels_from_inputs = True
+
     def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:
-        """A collated batch as the model gets it: on the device, with labels (`add_labels`: a causal LM batch
-        without labels learns every token); split over `cp` under context parallelism."""
+        """A collated batch as the model gets it: on the device, with labels (`add_labels` and
+        `labels_from_inputs`); split over `cp` under context parallelism."""
         batch = self.backend.to_device(batch)
-        if add_labels:
+        if add_labels and self.labels_from_inputs:
             batch = self.loss.with_labels(batch)
         if self.cp is None:
             return batch

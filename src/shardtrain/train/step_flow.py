@@ -51,7 +51,9 @@ class StepFlowMixin:
                                                or step >= max_steps)) or \
                 (args.save_strategy == "epoch" and at_epoch_end) or self.control.should_save or \
                 (args.save_strategy == "best" and self._improves_best(metrics)):
-            self._save_checkpoint(metrics)
+            # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
+            self._update_best(metrics, str(Path(args.output_dir) / f"{PREFIX}{step}"))
+            self._save_checkpoint(self.model, None)
         elif metrics is not None:
             self._update_best(metrics)
 
@@ -82,9 +84,10 @@ class StepFlowMixin:
             if checkpoint is not None:
                 self.state.best_model_checkpoint = checkpoint
 
-    def _save_checkpoint(self, metrics: dict[str, float] | None) -> None:
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Hugging Face's hook (same signature, so a library's override that calls super() works): write
+        `checkpoint-<step>` of the Trainer's model, optimizer, scheduler, RNG and state."""
         args = self.args
-        self._update_best(metrics, str(Path(args.output_dir) / f"{PREFIX}{self.state.global_step}"))
         if args.save_async:  # waits for the previous async save; see shardtrain.checkpoint.async_save
             self._checkpoints().save_async(self.state.global_step, self.state, model_only=args.save_only_model)
         else:

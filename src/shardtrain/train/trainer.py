@@ -32,6 +32,7 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.errors import DataError, OutputDirError, TrainingArgumentsError, install_error_hook
+from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.backend import make_backend
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
@@ -135,8 +136,13 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         self.processing_class = processing_class if processing_class is not None else tokenizer
         self._validate_samples = data_collator is None and not hasattr(self.processing_class, "pad")
         self.data_collator = data_collator or self._default_collator()
-        self._keep_columns = forward_columns(self.model) if args.remove_unused_columns else None
-        if self._keep_columns is not None:
+        # Hugging Face's remove_unused_columns: the columns `_set_signature_columns_if_needed` names (a library's
+        # override, e.g. TRL's, keeps the ones its collator needs)
+        self._signature_columns: list[str] | None = None
+        self._keep_columns = None
+        if args.remove_unused_columns:
+            self._set_signature_columns_if_needed()
+            self._keep_columns = frozenset(self._signature_columns)
             self.data_collator = ColumnFilter(self.data_collator, self._keep_columns)
         self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
         self.compute_metrics, self.compute_loss_func = compute_metrics, compute_loss_func
@@ -167,22 +173,24 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self._set_hf_attributes()
         self._fire("on_init_end")
+        if getattr(self.model, "config", None) is not None:  # as Hugging Face: no KV cache unless asked for (a
+            self.model.config.use_cache = args.use_cache  # cache also turns off packed-sequence masks)
 
     def _set_hf_attributes(self) -> None:
         """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
         args = self.args
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
-        self.accelerator = None  # no Accelerate: shardtrain's backend runs the job
         self.is_in_train = False
         self.hp_name = self.hp_search_backend = self.deepspeed = self.label_smoother = None
         self.place_model_on_device = self.is_deepspeed_enabled = self.is_fsdp_xla_enabled = False
         self.is_model_parallel = False
-        self.is_fsdp_enabled = bool(args.fsdp_enabled)
+        # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
+        # whether shardtrain's FSDP2 does), so libraries do not hand their extra models to Accelerate's FSDP
+        self.is_fsdp_enabled = False
         self.label_names = list(args.label_names) if args.label_names else ["labels"]
         self.can_return_loss = False
         self.neftune_noise_alpha = args.neftune_noise_alpha
         self.current_flos = 0
-        self._signature_columns = sorted(self._keep_columns) if self._keep_columns is not None else None
         self._train_batch_size = args.train_batch_size
         self._created_lr_scheduler = False
         self.model_accepts_loss_kwargs = False  # the token sum is computed here, not by the model
@@ -190,6 +198,49 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
     @property
     def callbacks(self) -> list[TrainerCallback]:
         return self.callback_handler.callbacks
+
+    @property
+    def accelerator(self) -> Any:
+        """An Accelerate `Accelerator` on shardtrain's process group, for the code of libraries built on Hugging
+        Face's Trainer (`gather_for_metrics`, `num_processes`, `unwrap_model`, `is_main_process`). It never wraps,
+        shards or moves the model: shardtrain's backend does that. Built on first use."""
+        if self.__dict__.get("_accelerator") is None:
+            self.__dict__["_accelerator"] = engine_accelerator(self.backend)
+        return self.__dict__["_accelerator"]
+
+    @accelerator.setter
+    def accelerator(self, value: Any) -> None:
+        self.__dict__["_accelerator"] = value
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward
+        parameters and the label names)."""
+        if self._signature_columns is None:
+            self._signature_columns = sorted(forward_columns(self.model))
+
+    def get_tp_size(self) -> int:
+        return self.dims.tp
+
+    def get_cp_size(self) -> int:
+        return self.dims.cp
+
+    def get_sp_size(self) -> int:
+        return 1
+
+    @property
+    def _loss_scale(self) -> int:
+        """Hugging Face's factor on a loss normalised by the global `num_items_in_batch`: the ranks with distinct
+        data (DDP averages gradients over them; tensor-parallel ranks share theirs). `compute_loss` returns it
+        multiplied in, and `training_step` divides it out, so a library's `compute_loss` that applies it (TRL's)
+        trains exactly."""
+        return self.world_size // self.dims.tp if self.args.average_tokens_across_devices else 1
+
+    @property
+    def _loss_per_sample(self) -> bool:
+        """Whether `compute_loss` returns a mean over its micro-batch (Hugging Face's `loss_is_scaled_for_ga`
+        False, e.g. TRL's DPO): such a loss is weighted by the micro-batch's samples; otherwise it is the sum
+        over target tokens divided by `num_items_in_batch`."""
+        return self.loss_is_scaled_for_ga is False
 
     # -- setup (the model's parallelism: shardtrain.train.model_setup) --------------------------------
     def _default_collator(self) -> Callable:
@@ -349,7 +400,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
     def _checkpoint_and_exit(self, preempted: Preempted) -> None:
         """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""
         if self._saved_step != self.state.global_step:
-            self._save_checkpoint(None)
+            self._save_checkpoint(self.model, None)
         self._checkpoints().wait()
         if self.rank == 0:
             print(f"warning: {preempted}; wrote {self.args.output_dir}/checkpoint-{self.state.global_step}, exiting "
@@ -421,6 +472,8 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
             if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
                 # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
                 loss = loss + self.router_loss.local_share(outputs, inputs) / self._micro_batches
+        if num_items_in_batch is not None:
+            loss = loss * self._loss_scale  # Hugging Face's convention (see _loss_scale)
         return (loss, outputs) if return_outputs else loss
 
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]],
@@ -440,7 +493,8 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the
         # forward (one small all-reduce, which also tells every rank whether one of them was asked to stop)
         placeholders = placeholders or [False] * len(batches)
-        num_items = self._global_items(batches, placeholders)
+        by_samples = self._loss_per_sample
+        num_items = self._global_items(batches, placeholders, by_samples)
         self._micro_batches = len(batches)
         loss_sum = torch.zeros((), device=self.device)
         for index, batch in enumerate(batches):
@@ -451,7 +505,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
                 loss = self.training_step(self.model, batch, num_items)
             finally:
                 self.loss.placeholder = False
-            loss_sum += loss.detach().float() * num_items
+            loss_sum += loss.detach().float() * num_items / self._loss_scale
             if index < len(batches) - 1:
                 self._fire("on_substep_end")
         # FSDP averages gradients over its ranks (replicate x shard x cp). The token counts of the ranks add up to
@@ -460,7 +514,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         if self.dims.ep > 1:
             rescale_expert_grads(self.model)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(),
-                                                     self.loss.local_counts(batches, placeholders),
+                                                     self.loss.local_counts(batches, placeholders, by_samples),
                                                      divisor, self.args.max_grad_norm, self.world_size,
                                                      count_copies=self.dims.tp)
         tokens, input_tokens = (int(c) for c in counts.tolist())
@@ -475,10 +529,11 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         self.state.total_flos += 6.0 * self._flop_params() * input_tokens
         return loss_sum, tokens, grad_norm
 
-    def _global_items(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool]) -> torch.Tensor:
-        """The global batch's target tokens (int64 on the device); raises `Preempted` on every rank when any rank
-        received SIGTERM, and `DataError` when the global batch has nothing to learn from."""
-        header = torch.stack([self.loss.local_counts(batches, placeholders)[0],
+    def _global_items(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool],
+                      by_samples: bool = False) -> torch.Tensor:
+        """The global batch's target tokens (samples: `by_samples`) as int64 on the device; raises `Preempted` on
+        every rank when any rank received SIGTERM, and `DataError` when the global batch has nothing to learn from."""
+        header = torch.stack([self.loss.local_counts(batches, placeholders, by_samples)[0],
                               torch.tensor(float(self.preemption.requested), dtype=torch.float64,
                                            device=self.device)])
         self.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
@@ -537,17 +592,23 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         every = self.args.torch_empty_cache_steps
         if every and self.state.global_step % every == 0 and torch.cuda.is_available():
             torch.cuda.empty_cache()  # as Hugging Face: lower peak reserved memory, at a speed cost
-        if num_items_in_batch is None:  # called on its own: this micro-batch's tokens
-            num_items_in_batch = self.loss.items(inputs)
-        if self._custom_loss or self.router_loss.enabled:
+        by_samples = self._loss_per_sample
+        if num_items_in_batch is None:  # called on its own: this micro-batch's tokens (or samples)
+            num_items_in_batch = self.loss.items(inputs, by_samples=by_samples)
+        if by_samples:  # a mean over this micro-batch, weighted by its samples (placeholders: 0)
+            loss = self.compute_loss(model, inputs)
+            micro_sum = loss * self.loss.items(inputs, by_samples=True)
+        elif self._custom_loss or self.router_loss.enabled:
             # Hugging Face's compute_loss contract (and the router loss, added in token-sum units)
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-            micro_sum = loss * num_items_in_batch
+            micro_sum = loss * num_items_in_batch / self._loss_scale
         else:
             micro_sum = self.loss(inputs)
-            loss = micro_sum.detach() / num_items_in_batch
+        if self.loss.placeholder:  # stands in for no sample: runs forward and backward (FSDP's collectives), weighs 0
+            micro_sum = micro_sum * 0.0
         (micro_sum / getattr(self, "_step_samples", 1)).backward()
-        return loss.detach()
+        # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
+        return micro_sum.detach() / num_items_in_batch * self._loss_scale
 
     @property
     def _custom_loss(self) -> bool:

@@ -1,0 +1,46 @@
+"""Accelerate's `Accelerator` on shardtrain's process group, for code written against `transformers.Trainer`.
+
+Libraries built on Hugging Face's Trainer (TRL, sentence-transformers) call `trainer.accelerator` for
+collectives and process facts: `gather_for_metrics`, `gather`, `reduce`, `num_processes`, `is_main_process`,
+`wait_for_everyone`, `unwrap_model`, `device`. Those are Accelerate's own implementations here, running on the
+process group shardtrain's backend created. Accelerate never wraps, shards or moves the model, and its
+launcher's settings (`ACCELERATE_USE_FSDP`, `ACCELERATE_MIXED_PRECISION`, ...) were already applied by
+shardtrain's `TrainingArguments` (`shardtrain.config.accelerate_env`), so they are hidden from it: the
+Accelerator built here has no FSDP plugin and no autocast of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from shardtrain.config.accelerate_env import PREFIXES
+
+
+@contextlib.contextmanager
+def _without_accelerate_env() -> Iterator[None]:
+    saved = {k: v for k, v in os.environ.items() if k.startswith(PREFIXES)}
+    for name in saved:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def engine_accelerator(backend: Any) -> Any:
+    """An `accelerate.Accelerator` for `backend`'s processes and device (None under PyTorch/XLA, whose device
+    and collectives are torch_xla's)."""
+    if getattr(backend, "is_xla", False):
+        return None
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    # Accelerate's process state is a singleton; one created before the process group existed (TRL's dataset
+    # preparation calls PartialState()) says "one process". It is rebuilt on the group shardtrain set up.
+    if PartialState._shared_state and PartialState().num_processes != backend.world_size:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    with _without_accelerate_env():
+        return Accelerator(cpu=backend.device.type == "cpu", mixed_precision="no", device_placement=False)

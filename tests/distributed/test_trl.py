@@ -1,0 +1,52 @@
+"""TRL's SFT (prompt-completion, completion-only loss, unpacked and packed) and DPO on shardtrain's engine
+(`shardtrain.trl`) on two ranks equal TRL's own trainers on one process with the same global batch
+(`workers/trl_runs.py`); packed rows restart their position_ids and their documents do not see each other.
+"""
+
+from pathlib import Path
+
+import pytest
+from launch import python, read_json, torchrun
+
+WORKER = Path(__file__).parent / "workers" / "trl_runs.py"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trl")
+    python(WORKER, "trl", str(root / "trl"))
+    torchrun(WORKER, 2, "ours", str(root / "ours"))
+    return root
+
+
+@pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo"])
+def test_two_ranks_equal_trl_on_one_process(runs, case):
+    ours, ref = read_json(runs / "ours" / f"{case}.json"), read_json(runs / "trl" / f"{case}.json")
+    assert len(ours["losses"]) == len(ref["losses"]) >= 3
+    assert ours["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5)
+    assert ours["losses"][-1] < ours["losses"][0]  # it learned
+    if "eval_loss" in ref:
+        assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
+
+
+def test_packed_rows_keep_documents_apart(runs):
+    packed = read_json(runs / "ours" / "sft_packed.json")
+    positions = packed["position_ids"]
+    assert positions.count(0) >= 2  # several documents in the row, each counting from 0
+    assert all(b in (a + 1, 0) for a, b in zip(positions, positions[1:], strict=False))
+    assert packed["document_gap"] < 1e-5  # a document's logits are those it has alone
+
+
+def test_dpo_reference_model_is_sharded(runs):
+    assert read_json(runs / "ours" / "dpo.json")["ref_sharded"] is True
+
+
+def test_missing_extra_names_it(tmp_path):
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['trl'] = None; import shardtrain.trl"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "pip install 'shardtrain[trl]'" in done.stderr

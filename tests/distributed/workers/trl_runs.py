@@ -1,0 +1,137 @@
+"""TRL's SFT (prompt-completion, completion-only loss; unpacked and packed) and DPO, run by TRL's own trainers
+on one process ("trl") or by `shardtrain.trl`'s on shardtrain's engine ("ours", any number of ranks), with the
+same global batch: per step 8 samples (SFT) or 4 preference pairs x 2 accumulation steps (DPO).
+
+    python trl_runs.py trl OUT
+    torchrun --nproc_per_node 2 trl_runs.py ours OUT
+
+Writes OUT/<case>.json: per-step losses and gradient norms, the eval loss (SFT), and for the packed case the
+first packed row's position_ids and the largest difference between the logits of each of its documents and
+those of the document run alone.
+"""
+
+import copy
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import datasets
+import torch
+import trl
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+MODE, OUT = sys.argv[1], Path(sys.argv[2])
+WORLD, RANK = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"w{i}": i for i in range(60)} | {"<pad>": 60, "<eos>": 61, "<unk>": 62}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def text(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randrange(low, high)))
+
+
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=60,
+                                        eos_token_id=61, attn_implementation="sdpa"))
+
+
+def classes(name: str) -> tuple[type, type]:
+    if MODE == "trl":
+        return getattr(trl, f"{name}Trainer"), getattr(trl, f"{name}Config")
+    import shardtrain.trl
+
+    return getattr(shardtrain.trl, f"{name}Trainer"), getattr(shardtrain.trl, f"{name}Config")
+
+
+def arguments(config_cls: type, name: str, **kwargs) -> object:
+    where = {"use_cpu": True} if MODE == "trl" else {"fsdp": True}
+    return config_cls(output_dir=str(OUT / name), logging_steps=1, report_to="none", seed=0, save_strategy="no",
+                      lr_scheduler_type="constant", learning_rate=1e-2, bf16=False, disable_tqdm=True, **where,
+                      **kwargs)
+
+
+def history(trainer) -> dict:
+    logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs]}
+
+
+def per_document_gap(trainer) -> tuple[list[int], float]:
+    """(position_ids of the first packed row, max |logits of each document in the row - logits alone|)."""
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    starts = [i for i, p in enumerate(positions[0].tolist()) if p == 0] + [ids.shape[1]]
+    net = trainer.model
+    net.eval()
+    with torch.no_grad():
+        packed = net(input_ids=ids, position_ids=positions).logits
+        gap = 0.0
+        for a, b in zip(starts, starts[1:], strict=False):
+            alone = net(input_ids=ids[:, a:b]).logits
+            gap = max(gap, float((packed[:, a:b] - alone).abs().max()))
+    if MODE == "ours":  # FSDP2 keeps the root's parameters gathered after a forward without backward
+        from shardtrain.parallel.fsdp import reshard_all
+
+        reshard_all(net)
+    net.train()
+    return positions[0].tolist(), gap
+
+
+def sft(name: str, packing: bool) -> dict:
+    rng = random.Random(0)
+    rows = [{"prompt": text(rng, 2, 6) + " ", "completion": text(rng, 2, 8)} for _ in range(40)]
+    train, evaluation = datasets.Dataset.from_list(rows[:32]), datasets.Dataset.from_list(rows[32:])
+    trainer_cls, config_cls = classes("SFT")
+    per_device, accumulation = (8, 1) if MODE == "trl" else (8 // WORLD // 2, 2)
+    args = arguments(config_cls, name, per_device_train_batch_size=per_device, per_device_eval_batch_size=4,
+                     gradient_accumulation_steps=accumulation, max_steps=4, packing=packing, max_length=32,
+                     completion_only_loss=True, eval_packing=False)
+    trainer = trainer_cls(model=model(), args=args, train_dataset=train, eval_dataset=evaluation,
+                          processing_class=tokenizer())
+    result = {}
+    if packing:
+        result["position_ids"], result["document_gap"] = per_document_gap(trainer)
+    trainer.train()
+    result.update(history(trainer), eval_loss=trainer.evaluate()["eval_loss"])
+    return result
+
+
+def dpo(name: str) -> dict:
+    rng = random.Random(0)
+    pairs = [{"prompt": text(rng, 2, 5) + " ", "chosen": text(rng, 2, 6), "rejected": text(rng, 2, 6)}
+             for _ in range(16)]
+    trainer_cls, config_cls = classes("DPO")
+    args = arguments(config_cls, name, per_device_train_batch_size=4 // WORLD, gradient_accumulation_steps=2,
+                     max_steps=3, beta=0.1)
+    policy = model()
+    trainer = trainer_cls(model=policy, ref_model=copy.deepcopy(policy), args=args,
+                          train_dataset=datasets.Dataset.from_list(pairs), processing_class=tokenizer())
+    trainer.train()
+    out = history(trainer)
+    if MODE == "ours":  # the reference model is sharded like the policy
+        from torch.distributed.fsdp import FSDPModule
+
+        out["ref_sharded"] = isinstance(trainer.ref_model, FSDPModule)
+    return out
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, run in (("sft", lambda: sft("sft", False)), ("sft_packed", lambda: sft("sft_packed", True)),
+                      ("dpo", lambda: dpo("dpo"))):
+        result = run()
+        if RANK == 0:
+            (OUT / f"{name}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
