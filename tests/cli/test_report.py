@@ -23,12 +23,14 @@ def test_tensorboard_jsonl_and_report(tmp_path):
     assert all(len(e["peak_memory_mb_per_rank"]) == 2 and e["memory_kind"] == "cpu_peak_rss" for e in train)
     assert [e["step"] for e in entries if "eval_loss" in e][:2] == [3, 6]
     # TensorBoard: the same numbers, read back from the event files
-    runs = out / "runs"
+    # transformers' TensorBoardCallback: one run directory on rank 0, its tag names ("train/loss", "eval/loss")
+    (runs,) = (out / "runs").iterdir()
     accumulator = EventAccumulator(str(runs))
     accumulator.Reload()
     scalars = accumulator.Tags()["scalars"]
-    assert {"loss", "learning_rate", "grad_norm", "eval_loss", "tokens_per_second"} <= set(scalars)
-    logged = [(e.step, e.value) for e in accumulator.Scalars("loss")]
+    assert {"train/loss", "train/learning_rate", "train/grad_norm", "eval/loss", "train/tokens_per_second"} <= \
+        set(scalars)
+    logged = [(e.step, e.value) for e in accumulator.Scalars("train/loss")]
     assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6]
     assert all(abs(v - e["loss"]) < 1e-6 for (_, v), e in zip(logged, train, strict=True))
     # report.png drawn by train(), and again by the command

@@ -16,7 +16,7 @@ from shardtrain import TrainingArguments, TrainingArgumentsError
     ({"max_steps": 0}, ["max_steps"]),
     ({"lr_scheduler_type": "cosine_warm"}, ["lr_scheduler_type", "cosine_warm", "linear"]),
     ({"optim": "adafactor"}, ["optim", "adafactor", "adamw_torch_fused", "adamw_torch"]),
-    ({"report_to": "wandb"}, ["report_to", "wandb", "tensorboard"]),
+    ({"report_to": "wandbb"}, ["report_to", "wandbb", "wandb", "tensorboard", "mlflow"]),
     ({"save_strategy": "best"}, ["save_strategy", "best", "eval_strategy"]),
     ({"deepspeed": "ds.json"}, ["deepspeed", "FSDP2"]),
     ({"push_to_hub": True}, ["push_to_hub", "huggingface_hub"]),

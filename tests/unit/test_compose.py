@@ -43,3 +43,49 @@ def test_not_a_trainer_is_refused():
         shardtrain.on_engine(dict)
     with pytest.raises(TrainingArgumentsError, match="TrainingArguments subclass"):
         shardtrain.arguments_on_engine(LibraryTrainer)
+
+
+def test_accelerate_fsdp_flags_match_the_installed_accelerate():
+    from accelerate.commands.launch import launch_command_parser
+
+    from shardtrain.config.accelerate_env import FSDP_FLAGS
+
+    parser = launch_command_parser()
+    group = next(g for g in parser._action_groups if g.title == "FSDP Arguments")
+    assert sorted(a.dest for a in group._group_actions) == sorted(FSDP_FLAGS)
+
+
+def test_accelerate_environment_is_read_as_shardtrain_settings():
+    from shardtrain.config.accelerate_env import from_environment
+    from shardtrain.errors import LaunchConfigError
+
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true",
+           "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer,MixtralDecoderLayer", "FSDP_SHARDING_STRATEGY":
+           "FULL_SHARD", "FSDP_USE_ORIG_PARAMS": "true", "FSDP_FORWARD_PREFETCH": "true",
+           "ACCELERATE_MIXED_PRECISION": "bf16"}
+    got = from_environment(env)
+    assert got.use_fsdp and got.mixed_precision == "bf16"
+    assert got.fsdp == {"version": 2, "offload_params": "true",
+                        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer", "MixtralDecoderLayer"]}
+    assert len(got.ignored) == 1 and "fsdp_forward_prefetch true" in got.ignored[0]  # not at Accelerate's default
+    assert from_environment({}).use_fsdp is False
+    with pytest.raises(LaunchConfigError, match="--use_deepspeed"):
+        from_environment({"ACCELERATE_USE_DEEPSPEED": "true"})
+    with pytest.raises(LaunchConfigError, match="torch_compile=True"):
+        from_environment({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"})
+
+
+def test_a_stream_needs_max_steps(tmp_path):
+    from torch.utils.data import IterableDataset
+
+    from shardtrain.train.streaming import check_stream_arguments, is_stream
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": [1, 2, 3]}
+
+    assert is_stream(Stream()) and not is_stream([{"input_ids": [1]}])
+    with pytest.raises(TrainingArgumentsError, match="set TrainingArguments.max_steps"):
+        check_stream_arguments(shardtrain.TrainingArguments(str(tmp_path)))
+    with pytest.raises(TrainingArgumentsError, match="save_strategy='steps'"):
+        check_stream_arguments(shardtrain.TrainingArguments(str(tmp_path), max_steps=3, save_strategy="epoch"))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from shardtrain.cli.config_cmd import check_parallel_sizes
 from shardtrain.config import env as env_names
+from shardtrain.config.accelerate_env import FSDP_FLAGS, fsdp_from_flags
 from shardtrain.config.env import true_word
 from shardtrain.config.fsdp_config import parse_fsdp_option
 from shardtrain.config.launch_config import DEFAULT_MULTI_NODE_PORT, LaunchConfig, load_launch_config, map_fsdp_config
@@ -46,7 +47,7 @@ ENV_CPU = env_names.CPU
 _VALUE_FLAGS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                 "rdzv_backend", "mixed_precision", "max_restarts")
 _PARALLELISM_FLAGS = tuple(f"parallelism_config_{k}" for k in (*SIZE_KEYS, "cp_comm_strategy"))
-_OTHER_VALUE_FLAGS = ("config_file", "fsdp_config", *_PARALLELISM_FLAGS)
+_OTHER_VALUE_FLAGS = ("config_file", "fsdp_config", *_PARALLELISM_FLAGS, *FSDP_FLAGS)
 _FALSE_WORDS = ("false", "no", "0", "off")
 
 
@@ -81,6 +82,10 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fsdp_config", help="FSDP settings: path of a JSON file or inline JSON; replaces the "
                                          "config file's fsdp_config and turns FSDP on")
     p.add_argument("--max_restarts", help="restarts of the worker group after a failure (default 0)")
+    # Accelerate's FSDP flags, with its names and values (shardtrain.config.accelerate_env)
+    p.add_argument("--use_fsdp", action="store_true", help="FSDP on (Accelerate's name for --fsdp)")
+    for flag in FSDP_FLAGS:
+        p.add_argument(f"--{flag}", help=f"as accelerate launch --{flag} (FSDP2: --fsdp_version 2 only)")
     p.add_argument("--use_parallelism_config", action="store_true",
                    help="use the parallelism sizes (flags below, or the config file's parallelism_config)")
     for flag in _PARALLELISM_FLAGS:
@@ -154,6 +159,12 @@ def _apply_flags(config: LaunchConfig, args: argparse.Namespace, warnings: list[
         if "sharding_strategy" in overrides and args.fsdp_config is None:
             config.fsdp_config.pop("reshard_after_forward", None)  # the flag beats the file
         config.fsdp_config.update(overrides)
+    given = {flag: getattr(args, flag) for flag in FSDP_FLAGS if getattr(args, flag) is not None}
+    if args.use_fsdp or given:
+        settings, ignored = fsdp_from_flags(given)
+        config.fsdp_config.update(settings)
+        config.ignored += ignored
+        config.distributed_type = "FSDP"
     if args.use_parallelism_config:
         config.use_parallelism_config = True
     given = {flag: getattr(args, flag) for flag in _PARALLELISM_FLAGS if getattr(args, flag) is not None}

@@ -38,7 +38,6 @@ from shardtrain.train import hf_compat
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 STRATEGIES = ("no", "steps", "epoch")
-REPORTERS = ("tensorboard",)  # metrics.jsonl is always written
 # torch optimizers whose update is elementwise, so a sharded parameter steps exactly as a whole one would
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop")
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
@@ -56,7 +55,8 @@ IMPLEMENTED_HF = frozenset({
     "dataloader_pin_memory", "dataloader_prefetch_factor", "remove_unused_columns", "disable_tqdm", "use_cpu",
     "ddp_timeout", "parallelism_config", "torch_compile", "torch_compile_backend", "torch_compile_mode",
     "label_smoothing_factor", "neftune_noise_alpha", "logging_nan_inf_filter", "enable_jit_checkpoint", "tf32",
-    "torch_empty_cache_steps", "use_cache", "average_tokens_across_devices",
+    "torch_empty_cache_steps", "use_cache", "average_tokens_across_devices", "run_name", "project",
+    "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
 })
 
 
@@ -347,13 +347,16 @@ class TrainingArguments(transformers.TrainingArguments):
             raise TrainingArgumentsError(str(err)) from None
         reporters = [self.report_to] if isinstance(self.report_to, str) or self.report_to is None else \
             list(self.report_to)
+        from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
         reporters = [r for r in reporters if r not in ("none", None, "jsonl")]
-        if reporters == ["all"]:
-            reporters = ["tensorboard"]
-        unknown = [r for r in reporters if r not in REPORTERS]
+        if "all" in reporters:  # as Hugging Face: every installed integration
+            reporters = get_available_reporting_integrations()
+        unknown = [r for r in reporters if r not in INTEGRATION_TO_CALLBACK]
         if unknown:
-            self._fail("report_to", f"got {unknown}, which shardtrain cannot report to; allowed values: "
-                       f"{list(REPORTERS)}, 'all' or 'none' (metrics.jsonl in output_dir is always written)")
+            self._fail("report_to", f"got {unknown}; allowed values: transformers' integrations "
+                       f"{list(INTEGRATION_TO_CALLBACK)}, 'all' or 'none' (metrics.jsonl in output_dir is always "
+                       "written)")
         self.report_to = reporters
         if self.bf16 and self.fp16:
             self._fail("bf16", "and fp16 are both set; choose one mixed precision")
@@ -370,10 +373,22 @@ class TrainingArguments(transformers.TrainingArguments):
             self.torch_compile = True
 
     def _resolve_fsdp(self) -> None:
+        """FSDP and mixed precision from the arguments, else `shardtrain launch`'s variables, else those of
+        `accelerate launch` (`shardtrain.config.accelerate_env`)."""
+        from shardtrain.config.accelerate_env import from_environment
+        from shardtrain.errors import LaunchConfigError
+
         try:
-            env_fsdp = self.fsdp is None and env.env_flag(env.USE_FSDP)
-        except env.EnvError as err:
+            ours = env.env_flag(env.USE_FSDP) or bool(os.environ.get(env.FSDP_CONFIG))
+            accelerate = from_environment(os.environ)
+        except (env.EnvError, LaunchConfigError) as err:
             raise TrainingArgumentsError(str(err)) from None
+        if accelerate.ignored and self.process_index == 0:
+            warnings.warn(f"ignoring Accelerate settings with no FSDP2 meaning: {', '.join(accelerate.ignored)}",
+                          stacklevel=4)
+        if accelerate.use_cpu and not self.use_cpu:
+            self.use_cpu = True
+        env_fsdp = self.fsdp is None and (ours or accelerate.use_fsdp)
         try:
             enabled, overrides = parse_fsdp_option(self.fsdp)
             source = self.fsdp_config
@@ -383,6 +398,8 @@ class TrainingArguments(transformers.TrainingArguments):
                 except json.JSONDecodeError as err:
                     raise FSDPConfigError(f"environment variable {env.FSDP_CONFIG} is not valid JSON ({err}); "
                                           "unset it or let `shardtrain launch` set it") from None
+            elif source is None and accelerate.use_fsdp and not ours:
+                source = dict(accelerate.fsdp)
             config = FSDPConfig.load(source)
             for key, value in overrides.items():
                 if key == "sharding_strategy":
@@ -396,7 +413,7 @@ class TrainingArguments(transformers.TrainingArguments):
         self.fsdp_config = config
         self.fsdp_enabled = enabled or env_fsdp
         if self.bf16 is UNSET and self.fp16 is UNSET:
-            chosen = config.mixed_precision or os.environ.get(env.MIXED_PRECISION)
+            chosen = config.mixed_precision or os.environ.get(env.MIXED_PRECISION) or accelerate.mixed_precision
             if chosen not in (None, "", "no", "bf16", "fp16"):
                 self._fail("bf16", f"/fp16 come from {env.MIXED_PRECISION}={chosen!r}, which is not no|bf16|fp16")
             self.bf16, self.fp16 = chosen == "bf16", chosen == "fp16"

@@ -49,13 +49,13 @@ class EvalLoop:
 
     def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, dp_rank: int,
                  dp_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
-                 on_step: Callable[[], None] | None = None, cp: ContextParallel | None = None,
+                 on_step: Callable[[int], None] | None = None, cp: ContextParallel | None = None,
                  prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
                  generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True, *,
                  backend: Any, prediction_step: Callable[[dict, bool], tuple] | None = None) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
-        self.seed, self.on_step = seed, on_step  # on_step: the callbacks' on_prediction_step
+        self.seed, self.on_step = seed, on_step  # on_step(steps): the callbacks' on_prediction_step
         self.cp, self.prepare = cp, prepare  # prepare: the Trainer's collated batch -> model inputs
         self.loss_group = loss_group  # where (loss sum, token count) add up: the `loss` mesh
         self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
@@ -115,7 +115,7 @@ class EvalLoop:
                     self._collect(indices, batch, logits, preds, labels)
                 self.backend.step_end()
                 if self.on_step is not None:
-                    self.on_step()
+                    self.on_step(steps)
         reshard_all(self.model)
         self.model.train(was_training)
         self.backend.all_reduce(totals, group=self.loss_group)

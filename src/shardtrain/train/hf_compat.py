@@ -129,7 +129,8 @@ FIELD_NOTES = {
     "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
     "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",
     "generation_num_beams": "as Seq2SeqTrainingArguments",
-    "report_to": "'tensorboard', 'all' or 'none'; metrics.jsonl is always written",
+    "report_to": "transformers' integrations (wandb, mlflow, trackio, tensorboard, ...), 'all', 'none'; rank 0; "
+                 "metrics.jsonl is always written",
     "optim": "'adamw_torch_fused', 'adamw_torch', 'sgd', 'adagrad', 'rmsprop' (Hugging Face's create_optimizer)",
     "lr_scheduler_type": "transformers' schedulers, except reduce_lr_on_plateau and greedy",
     "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",

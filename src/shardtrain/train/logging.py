@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback
 
+from shardtrain.errors import TrainingArgumentsError
 from shardtrain.train.arguments import TrainingArguments
 
 
@@ -31,22 +31,53 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def scalar_logs(logs: dict[str, Any]) -> dict[str, Any]:
+    """A log entry as trackers take it: numbers only; a list of numbers (peak memory per rank) becomes one key
+    per element (`peak_memory_mb_per_rank_0`, ...); text (`memory_kind`) is left out."""
+    out: dict[str, Any] = {}
+    for key, value in logs.items():
+        if key == "step":  # metrics.jsonl's; trackers take the step from TrainerState, as for Hugging Face
+            continue
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = value
+        elif isinstance(value, list | tuple) and all(isinstance(v, int | float) for v in value):
+            out.update({f"{key}_{i}": v for i, v in enumerate(value)})
+    return out
+
+
+def tracker_callbacks(report_to: list[str]) -> list[TrainerCallback]:
+    """transformers' integration callbacks for `report_to` (Weights & Biases, MLflow, Trackio, TensorBoard, ...),
+    each fed `scalar_logs` of every entry so that none warns about shardtrain's list- and text-valued keys.
+
+    Raises:
+        TrainingArgumentsError: an integration's package is missing (the message names it and the pip fix).
+    """
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    callbacks = []
+    for cls in get_reporting_integration_callbacks(report_to):
+        def on_log(self, args, state, control, logs=None, _cls=cls, **kwargs):  # noqa: ANN001
+            return _cls.on_log(self, args, state, control, logs=scalar_logs(logs or {}), **kwargs)
+
+        scalar_cls = type(cls.__name__, (cls,), {"on_log": on_log, "__doc__": cls.__doc__})
+        try:
+            callbacks.append(scalar_cls())
+        except (RuntimeError, ImportError) as err:
+            raise TrainingArgumentsError(f"TrainingArguments.report_to includes {cls.__name__}'s integration, "
+                                         f"which cannot start: {err}; install its package or drop it from "
+                                         "report_to") from None
+    return callbacks
+
+
 class MetricsLogger:
-    """Writes every log entry to `output_dir/metrics.jsonl` (and TensorBoard) on rank 0, drives the bar."""
+    """Writes every log entry to `output_dir/metrics.jsonl` on rank 0 (trackers are transformers' integration
+    callbacks: `tracker_callbacks`), and measures tokens per second."""
 
     def __init__(self, args: TrainingArguments, is_main: bool) -> None:
         self.args, self.is_main = args, is_main
-        self.writer = None
         self.tokens = self.tokens_at_start = 0
         self.started = time.perf_counter()
         self.last_logs: dict[str, Any] = {}
-        if is_main and "tensorboard" in args.report_to:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise ImportError("report_to includes 'tensorboard' but the tensorboard package is missing; "
-                                  "pip install tensorboard, or drop it from report_to") from err
-            self.writer = SummaryWriter(log_dir=str(Path(args.output_dir) / "runs"))
 
     def start(self, step: int, max_steps: int, tokens_seen: int) -> None:
         self.tokens_at_start, self.tokens, self.started = tokens_seen, tokens_seen, time.perf_counter()
@@ -66,10 +97,6 @@ class MetricsLogger:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as handle:
             handle.write(json.dumps(entry) + "\n")
-        if self.writer is not None:
-            for key, value in entry.items():
-                if key not in ("step", "epoch") and isinstance(value, int | float):
-                    self.writer.add_scalar(key, value, entry["step"])
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics.jsonl lines of steps after `step`: a resumed run logs those steps again."""
@@ -88,8 +115,7 @@ class MetricsLogger:
         tmp.replace(path)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
+        return None
 
 
 class JsonPrinterCallback(PrinterCallback):
@@ -101,42 +127,19 @@ class JsonPrinterCallback(PrinterCallback):
 
 
 class JsonProgressCallback(ProgressCallback):
-    """A training bar when stderr is a terminal (not in CI or log files), and each log entry as a JSON line."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bar: tqdm | None = None
+    """Hugging Face's progress bars on rank 0 (training; evaluation and prediction, one tick per batch), drawn by
+    tqdm on stderr as for Hugging Face, also when it is not a terminal; each log entry as one JSON line."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero and sys.stderr.isatty():
-            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
-
-    def on_prediction_step(self, args: Any, state: Any, control: Any, eval_dataloader: Any = None,
-                           **kwargs: Any) -> None:
-        return None
-
-    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        return None
-
-    def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        return None
+        if state.is_world_process_zero:  # a resumed run starts the bar at its step
+            self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True)
+        self.current_step = state.global_step
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if not state.is_world_process_zero or logs is None:
             return
         line = json.dumps(logs)
-        if self.bar is not None:
-            postfix = {k: f"{logs[k]:.4g}" for k in ("loss", "learning_rate") if isinstance(logs.get(k), float)}
-            self.bar.set_postfix(postfix, refresh=False)
-            self.bar.write(line)
+        if self.training_bar is not None:
+            self.training_bar.write(line)
         else:
             print(line, flush=True)
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None

@@ -11,6 +11,7 @@ import torch
 
 from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, CheckpointManager
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
+from shardtrain.train.streaming import is_stream
 from shardtrain.train.validation import ModelLimits, validate_dataset
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker; > 0 after a restart
@@ -91,10 +92,11 @@ class PreflightMixin:
                 "each rank holds part of every sequence and gets labels already shifted (batch key 'shift_labels'), "
                 "which a loss written for whole sequences would get wrong; use the default loss or cp_size 1")
         limits = ModelLimits.of(self.model, self.loss.shift_labels)
-        validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
-                         check_samples=self._validate_samples, need_targets=True, device=self.device)
-        self._report_unused_columns(self.train_dataset, "training")  # after: the dataset is known to be readable
-        self._validated.add(id(self.train_dataset))
+        if not is_stream(self.train_dataset):  # a stream is checked as it is read (its samples are not indexable)
+            validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
+                             check_samples=self._validate_samples, need_targets=True, device=self.device)
+            self._report_unused_columns(self.train_dataset, "training")  # after: the dataset is known readable
+            self._validated.add(id(self.train_dataset))
         if self.eval_dataset is not None and args.eval_strategy != "no":
             validate_dataset(self.eval_dataset, name="eval_dataset", limits=limits,
                              check_samples=self._validate_samples, need_targets=False, device=self.device)

@@ -23,8 +23,10 @@ __all__ = ["TrainerCallback", "TrainerControl", "TrainerState"]
 class TrainerState(_HFTrainerState):
     """Progress of a run (Hugging Face's fields) plus the batch plan a resume must match."""
 
-    steps_per_epoch: int = 0
+    steps_per_epoch: int = 0  # 0: a stream (its passes have no known length)
     global_batch_size: int = 0
+    data_epoch: int = 0  # where the data stands after global_step: the pass and the steps taken in it
+    data_step: int = 0
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")

@@ -27,7 +27,7 @@ class StepFlowMixin:
 
     def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:
         args, step, max_steps = self.args, self.state.global_step, self.state.max_steps
-        at_epoch_end = step % self.state.steps_per_epoch == 0
+        at_epoch_end = bool(self.state.steps_per_epoch) and step % self.state.steps_per_epoch == 0
         stopping = step >= max_steps or self.control.should_training_stop
         if (args.logging_strategy == "steps" and step % args.interval("logging_steps", max_steps) == 0) or \
                 (args.logging_strategy == "epoch" and at_epoch_end) or (args.logging_first_step and step == 1) or \

@@ -16,7 +16,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from shardtrain.train.data import (
     forward_columns,
     passthrough,
 )
-from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger
+from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, tracker_callbacks
 from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.model_setup import ModelSetupMixin
@@ -59,6 +59,7 @@ from shardtrain.train.preflight import PreflightMixin
 from shardtrain.train.router_loss import RouterLoss
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step_flow import StepFlowMixin
+from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
 from shardtrain.train.trainer_api import TrainerAPIMixin
 from shardtrain.train.validation import agree, writable_problem
 
@@ -152,6 +153,15 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model,
                                                 self.processing_class, self.optimizer, self.lr_scheduler)
         self.add_callback(JsonPrinterCallback if args.disable_tqdm else JsonProgressCallback)
+        # trackers (report_to): transformers' own integration callbacks, on rank 0 only
+        problem = None
+        try:
+            trackers = tracker_callbacks(args.report_to) if self.rank == 0 else []
+        except TrainingArgumentsError as err:
+            problem, trackers = str(err), []
+        agree(problem, TrainingArgumentsError)
+        for tracker in trackers:
+            self.add_callback(tracker)
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
@@ -317,10 +327,15 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
 
-    def _plan(self) -> BatchPlan:
+    def _plan(self) -> BatchPlan | StreamPlan:
         args = self.args
         # a process that feeds several devices (XLA SPMD) loads all their batches at once
         per_process = args.per_device_train_batch_size * self.backend.devices_per_process
+        if is_stream(self.train_dataset):
+            return StreamPlan(self.train_dataset, self.data_collator, per_process, args.gradient_accumulation_steps,
+                              dp_size=self.dims.batch_size, dp_rank=self.dp_rank,
+                              seed=args.seed if args.data_seed is None else args.data_seed,
+                              global_count=self._global_sample_count)
         return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=per_process,
                          accumulation_steps=args.gradient_accumulation_steps, dp_size=self.dims.batch_size,
                          dp_rank=self.dp_rank, seed=args.seed if args.data_seed is None else args.data_seed)
@@ -336,6 +351,25 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
                           prefetch_factor=self.args.dataloader_prefetch_factor if workers else None)
 
+    def _global_sample_count(self, local: int) -> int:
+        """Samples of a step over the data-parallel ranks (cp and tp ranks load the same ones)."""
+        count = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
+        self.backend.all_reduce(count)
+        return round(count.item() * self.dims.batch_size / self.world_size)
+
+    def _epoch_steps(self, plan: BatchPlan | StreamPlan, epoch: int,
+                     start: int) -> Iterator[tuple[list[dict[str, Any]], list[bool]]]:
+        """(micro-batches, placeholder flags) of each step of `epoch` from step `start` on."""
+        if isinstance(plan, StreamPlan):
+            yield from plan.epoch(epoch, start)
+            return
+        micro_batches = iter(self._loader(plan, epoch, start))
+        permutation = plan.permutation(epoch)
+        for step in range(start, plan.steps_per_epoch):
+            batches = [next(micro_batches) for _ in range(self.args.gradient_accumulation_steps)]
+            # a micro-batch of the epoch's short end that stands in for no sample (see BatchPlan)
+            yield batches, [min(ix) < 0 for ix in plan.micro_batches(permutation, step, epoch)]
+
     # -- training -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
@@ -345,11 +379,13 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         resume = self._resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                       else args.resume_from_checkpoint)
         plan = self._plan()
+        if isinstance(plan, StreamPlan):
+            check_stream_arguments(args)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
         self.create_optimizer_and_scheduler(max_steps)
         self.state = TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
                                   global_batch_size=plan.global_batch_size, epoch=0.0,
-                                  num_train_epochs=math.ceil(max_steps / plan.steps_per_epoch),
+                                  num_train_epochs=math.ceil(max_steps / (plan.steps_per_epoch or max_steps)),
                                   train_batch_size=args.per_device_train_batch_size,
                                   logging_steps=args.interval("logging_steps", max_steps),
                                   eval_steps=args.interval("eval_steps", max_steps),
@@ -426,20 +462,20 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
     def _train_loop(self, plan: BatchPlan, max_steps: int) -> None:
         window: list[tuple[torch.Tensor, int]] = []
         while self.state.global_step < max_steps and not self.control.should_training_stop:
-            epoch, start = divmod(self.state.global_step, plan.steps_per_epoch)
-            micro_batches = iter(self._loader(plan, epoch, start))
-            permutation = plan.permutation(epoch)
+            # where the data stands: derived from the step (map-style), or saved with it (a stream)
+            epoch, start = (self.state.data_epoch, self.state.data_step) if isinstance(plan, StreamPlan) else \
+                divmod(self.state.global_step, plan.steps_per_epoch)
             self.control.should_epoch_stop = False
             self._fire("on_epoch_begin")
-            for step in range(start, plan.steps_per_epoch):
+            steps = self._epoch_steps(plan, epoch, start)
+            for step, (batches, placeholders) in enumerate(steps, start):
                 self.control.should_log = self.control.should_evaluate = self.control.should_save = False
                 self._fire("on_step_begin")
-                batches = [next(micro_batches) for _ in range(self.args.gradient_accumulation_steps)]
-                # a micro-batch of the epoch's short end that stands in for no sample (see BatchPlan)
-                placeholders = [min(ix) < 0 for ix in plan.micro_batches(permutation, step, epoch)]
                 loss_sum, tokens, grad_norm = self._optimizer_step(batches, placeholders)
                 self.state.global_step += 1
-                self.state.epoch = self.state.global_step / plan.steps_per_epoch
+                self.state.data_epoch, self.state.data_step = epoch, step + 1
+                self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
+                    float(epoch)  # a stream: the passes completed
                 window.append((loss_sum, tokens))
                 self.logger.step_done(self.state.num_input_tokens_seen)
                 self._fire("on_step_end")
@@ -447,6 +483,10 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
                 if self.state.global_step >= max_steps or self.control.should_training_stop or \
                         self.control.should_epoch_stop:
                     break
+            else:  # the pass is over
+                if isinstance(plan, StreamPlan) and self.state.data_step == 0 and start == 0:
+                    raise DataError("train_dataset (a stream) gave no sample; check that iterating it yields samples")
+                self.state.data_epoch, self.state.data_step = epoch + 1, 0
             self._fire("on_epoch_end")
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,

@@ -73,7 +73,7 @@ class TrainerAPIMixin:
         batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
         loop = EvalLoop(self.model, self.loss, self.data_collator, batch_size,
                         self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
-                        seed=self.args.seed, on_step=lambda: self._fire("on_prediction_step"), cp=self.cp,
+                        seed=self.args.seed, on_step=self._prediction_batch_done, cp=self.cp,
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
                         loss_group=self.meshes.loss.get_group(),
                         generate=self._generate_batch if self.args.predict_with_generate else None,
@@ -85,6 +85,12 @@ class TrainerAPIMixin:
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
         return output
+
+    def _prediction_batch_done(self, steps: int) -> None:
+        """on_prediction_step; callbacks see a sized `eval_dataloader` (Hugging Face's evaluation bar reads its
+        length: this rank's batches)."""
+        self.callback_handler.eval_dataloader = range(steps)
+        self._fire("on_prediction_step")
 
     def _user_prediction_step(self, ignore_keys: list[str] | None) -> Any:
         """`prediction_step` as the eval loop calls it, when the user overrode it or `compute_loss`; else None."""
