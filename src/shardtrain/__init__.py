@@ -18,6 +18,8 @@ _EXPORTS = {
     "EvalPrediction": "shardtrain.train.evaluation",
     "FSDPConfig": "shardtrain.config.fsdp_config",
     "FSDPConfigError": "shardtrain.errors",
+    "Seq2SeqTrainer": "shardtrain.seq2seq",
+    "Seq2SeqTrainingArguments": "shardtrain.seq2seq",
     "Trainer": "shardtrain.train.trainer",
     "TrainerCallback": "shardtrain.train.state",
     "TrainerControl": "shardtrain.train.state",

@@ -21,19 +21,19 @@ def accelerate(*args: object) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", *map(str, args)]
 
 
-def run(cmd: list[str], home: Path) -> subprocess.CompletedProcess:
-    env = cli_env(home, SHARDTRAIN_CPU="1")
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+def run(launcher: str, processes: int, flags: list[str], out: Path, home: Path) -> subprocess.CompletedProcess:
+    """`accelerate launch` or `shardtrain launch` of the settings script on `processes` CPU ranks."""
+    if launcher == "accelerate":
+        cmd = accelerate("--num_processes", processes, "--num_machines", 1, "--dynamo_backend", "no", *flags,
+                         SCRIPT, out)
+    else:
+        cmd = cli_cmd("launch", "--num_processes", processes, "--cpu", *flags, SCRIPT, out)
+    return subprocess.run(cmd, env=cli_env(home, SHARDTRAIN_CPU="1"), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("launcher", ["accelerate", "shardtrain"])
 def test_fsdp_flags_are_honoured(launcher, home, tmp_path):
-    if launcher == "accelerate":
-        cmd = accelerate("--num_processes", 2, "--num_machines", 1, "--dynamo_backend", "no", *FLAGS, SCRIPT,
-                         tmp_path)
-    else:
-        cmd = cli_cmd("launch", "--num_processes", 2, "--cpu", *FLAGS, SCRIPT, tmp_path)
-    proc = run(cmd, home)
+    proc = run(launcher, 2, FLAGS, tmp_path, home)
     assert proc.returncode == 0, explain(proc)
     got = json.loads((tmp_path / "settings.json").read_text())
     assert got["world_size"] == 2 and got["fsdp_enabled"] and got["bf16"]
@@ -50,12 +50,7 @@ def test_fsdp_flags_are_honoured(launcher, home, tmp_path):
     ("shardtrain", ["--fsdp_activation_checkpointing_offload", "true"], "--fsdp_activation_checkpointing_offload"),
 ])
 def test_unsupported_flags_stop_before_training(launcher, flags, named, home, tmp_path):
-    if launcher == "accelerate":
-        cmd = accelerate("--num_processes", 1, "--num_machines", 1, "--dynamo_backend", "no", *flags, SCRIPT,
-                         tmp_path)
-    else:
-        cmd = cli_cmd("launch", "--num_processes", 1, "--cpu", *flags, SCRIPT, tmp_path)
-    proc = run(cmd, home)
+    proc = run(launcher, 1, flags, tmp_path, home)
     assert proc.returncode != 0
     assert named in proc.stderr, explain(proc)
     assert not (tmp_path / "settings.json").exists() and not (tmp_path / "run").exists()

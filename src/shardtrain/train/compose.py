@@ -37,7 +37,11 @@ def on_engine(trainer_cls: type) -> type:
         trainer_cls.__init__(self, *args, **kwargs)
         self._parallelize_side_models()  # e.g. DPO's reference model, built by the library's __init__
 
-    return type(trainer_cls.__name__, (trainer_cls, Trainer), {
+    # a library's own arguments class (sentence-transformers' `training_args_class`) becomes the engine's too
+    arguments = {name: arguments_on_engine(value) for klass in reversed(trainer_cls.__mro__)
+                 for name, value in vars(klass).items()
+                 if isinstance(value, type) and issubclass(value, transformers.TrainingArguments)}
+    return type(trainer_cls.__name__, (trainer_cls, Trainer), {**arguments,
         "__module__": __name__, "__qualname__": trainer_cls.__qualname__, "__init__": __init__,
         "labels_from_inputs": False,
         "__doc__": f"{trainer_cls.__name__} on shardtrain's FSDP2 engine (shardtrain.on_engine).\n\n"

@@ -101,8 +101,8 @@ class ModelSetupMixin:
         `labels_from_inputs`); split over `cp` under context parallelism."""
         batch = self.backend.to_device(batch)
         if add_labels and self.labels_from_inputs:
-            batch = self.loss.with_labels(batch)
+            batch = self.loss_computer.with_labels(batch)
         if self.cp is None:
             return batch
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
-        return self.cp.shard(batch, shift_labels=self.loss.shift_labels, pad_token_id=pad or 0)
+        return self.cp.shard(batch, shift_labels=self.loss_computer.shift_labels, pad_token_id=pad or 0)

@@ -91,7 +91,7 @@ class PreflightMixin:
                 f"cp_size = {self.dims.cp} with a custom compute_loss / compute_loss_func: under context parallelism "
                 "each rank holds part of every sequence and gets labels already shifted (batch key 'shift_labels'), "
                 "which a loss written for whole sequences would get wrong; use the default loss or cp_size 1")
-        limits = ModelLimits.of(self.model, self.loss.shift_labels)
+        limits = ModelLimits.of(self.model, self.loss_computer.shift_labels)
         if not is_stream(self.train_dataset):  # a stream is checked as it is read (its samples are not indexable)
             validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
                              check_samples=self._validate_samples, need_targets=True, device=self.device)

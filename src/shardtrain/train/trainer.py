@@ -141,7 +141,10 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         # override, e.g. TRL's, keeps the ones its collator needs)
         self._signature_columns: list[str] | None = None
         self._keep_columns = None
-        if args.remove_unused_columns:
+        # a library that builds its own dataloaders (sentence-transformers) keeps the columns its collator reads
+        owns_loading = not self.labels_from_inputs and \
+            type(self).get_train_dataloader is not TrainerAPIMixin.get_train_dataloader
+        if args.remove_unused_columns and not owns_loading:
             self._set_signature_columns_if_needed()
             self._keep_columns = frozenset(self._signature_columns)
             self.data_collator = ColumnFilter(self.data_collator, self._keep_columns)
@@ -167,9 +170,9 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         self.control = TrainerControl()
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
                                    device_type=self.device.type)
-        self.loss = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled,
+        self.loss_computer = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled,
                                  chunk_size=chunk, label_smoothing=args.label_smoothing_factor)
-        if args.label_smoothing_factor and self.loss.kind == "model":
+        if args.label_smoothing_factor and self.loss_computer.kind == "model":
             raise TrainingArgumentsError(
                 f"TrainingArguments.label_smoothing_factor = {args.label_smoothing_factor} with "
                 f"{type(self.model).__name__}, which is trained on its own loss (not a cross entropy shardtrain "
@@ -294,6 +297,10 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
             groups = [{"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
             cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            kwargs = dict(kwargs)
+            for key in ("params", "model", "optimizer_dict"):  # Hugging Face's: groups chosen by the override
+                if key in kwargs:  # (sentence-transformers adds its loss modules' parameters this way)
+                    groups = kwargs.pop(key)
             self.optimizer = cls(groups, **kwargs)
         return self.optimizer
 
@@ -506,8 +513,8 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
         else:
             # outputs asked for: with their logits (no chunked loss)
-            loss_sum, outputs = self.loss.compute(inputs, keep_logits=return_outputs)
-            count = num_items_in_batch if num_items_in_batch is not None else self.loss.items(inputs)
+            loss_sum, outputs = self.loss_computer.compute(inputs, keep_logits=return_outputs)
+            count = num_items_in_batch if num_items_in_batch is not None else self.loss_computer.items(inputs)
             loss = loss_sum / count
             if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
                 # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
@@ -540,11 +547,11 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         for index, batch in enumerate(batches):
             if fsdp and len(batches) > 1:  # reduce-scatter once per step, not per micro-step
                 self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            self.loss.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
+            self.loss_computer.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
             try:
                 loss = self.training_step(self.model, batch, num_items)
             finally:
-                self.loss.placeholder = False
+                self.loss_computer.placeholder = False
             loss_sum += loss.detach().float() * num_items / self._loss_scale
             if index < len(batches) - 1:
                 self._fire("on_substep_end")
@@ -554,7 +561,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         if self.dims.ep > 1:
             rescale_expert_grads(self.model)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(),
-                                                     self.loss.local_counts(batches, placeholders, by_samples),
+                                                     self.loss_computer.local_counts(batches, placeholders, by_samples),
                                                      divisor, self.args.max_grad_norm, self.world_size,
                                                      count_copies=self.dims.tp)
         tokens, input_tokens = (int(c) for c in counts.tolist())
@@ -573,7 +580,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
                       by_samples: bool = False) -> torch.Tensor:
         """The global batch's target tokens (samples: `by_samples`) as int64 on the device; raises `Preempted` on
         every rank when any rank received SIGTERM, and `DataError` when the global batch has nothing to learn from."""
-        header = torch.stack([self.loss.local_counts(batches, placeholders, by_samples)[0],
+        header = torch.stack([self.loss_computer.local_counts(batches, placeholders, by_samples)[0],
                               torch.tensor(float(self.preemption.requested), dtype=torch.float64,
                                            device=self.device)])
         self.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
@@ -607,7 +614,7 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
                 else:
                     logits = outputs[1] if isinstance(outputs, tuple | list) and len(outputs) > 1 else None
             else:
-                loss, logits = None, self.loss.logits(inputs)
+                loss, logits = None, self.loss_computer.logits(inputs)
         if prediction_loss_only:
             return loss, None, None
         return loss, logits, inputs.get("labels") if has_labels else None
@@ -634,17 +641,17 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
             torch.cuda.empty_cache()  # as Hugging Face: lower peak reserved memory, at a speed cost
         by_samples = self._loss_per_sample
         if num_items_in_batch is None:  # called on its own: this micro-batch's tokens (or samples)
-            num_items_in_batch = self.loss.items(inputs, by_samples=by_samples)
+            num_items_in_batch = self.loss_computer.items(inputs, by_samples=by_samples)
         if by_samples:  # a mean over this micro-batch, weighted by its samples (placeholders: 0)
             loss = self.compute_loss(model, inputs)
-            micro_sum = loss * self.loss.items(inputs, by_samples=True)
+            micro_sum = loss * self.loss_computer.items(inputs, by_samples=True)
         elif self._custom_loss or self.router_loss.enabled:
             # Hugging Face's compute_loss contract (and the router loss, added in token-sum units)
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
             micro_sum = loss * num_items_in_batch / self._loss_scale
         else:
-            micro_sum = self.loss(inputs)
-        if self.loss.placeholder:  # stands in for no sample: runs forward and backward (FSDP's collectives), weighs 0
+            micro_sum = self.loss_computer(inputs)
+        if self.loss_computer.placeholder:  # stands in for no sample: forward and backward (FSDP collectives), weight 0
             micro_sum = micro_sum * 0.0
         (micro_sum / getattr(self, "_step_samples", 1)).backward()
         # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale

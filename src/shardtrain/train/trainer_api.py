@@ -65,20 +65,23 @@ class TrainerAPIMixin:
         if dataset is None:
             raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
         if id(dataset) not in self._validated:
-            limits = ModelLimits.of(self.model, self.loss.shift_labels)
+            limits = ModelLimits.of(self.model, self.loss_computer.shift_labels)
             validate_dataset(dataset, name=f"{prefix}_dataset", limits=limits,
                              check_samples=self._validate_samples, need_targets=False, device=self.device)
             self._validated.add(id(dataset))
         start = time.time()
         batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
-        loop = EvalLoop(self.model, self.loss, self.data_collator, batch_size,
+        # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
+        user_step = self._user_prediction_step(ignore_keys)
+        loop = EvalLoop(self.model, self.loss_computer, self.data_collator, batch_size,
                         self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
                         seed=self.args.seed, on_step=self._prediction_batch_done, cp=self.cp,
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
                         loss_group=self.meshes.loss.get_group(),
-                        generate=self._generate_batch if self.args.predict_with_generate else None,
+                        generate=self._generate_batch if self.args.predict_with_generate and user_step is None
+                        else None,
                         collects=self._collects_predictions, backend=self.backend,
-                        prediction_step=self._user_prediction_step(ignore_keys))
+                        prediction_step=user_step)
         output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
         steps = -(-len(dataset) // (batch_size * self.dims.batch_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
@@ -114,7 +117,7 @@ class TrainerAPIMixin:
 
     def _generate_batch(self, batch: dict) -> tuple[list, list]:
         """predict_with_generate: (generated answers, reference answers) of a collated batch (collective)."""
-        if not self.loss.shift_labels or not callable(getattr(self.model, "generate", None)):
+        if not self.loss_computer.shift_labels or not callable(getattr(self.model, "generate", None)):
             raise TrainingArgumentsError(f"predict_with_generate needs a causal language model with generate(); "
                                          f"{type(self.model).__name__} is not one; set predict_with_generate=False")
         config = getattr(self.model, "generation_config", None) or getattr(self.model, "config", None)
