@@ -128,7 +128,8 @@ for field, value, words in [
     ("save_steps", 0, ["save_steps"]), ("save_total_limit", 0, ["save_total_limit"]), ("eval_steps", 0, ["eval_steps"]),
     ("lr_scheduler_type", "cosine_warm", ["lr_scheduler_type", "cosine_warm"]),
     ("optim", "adafactor", ["optim", "adafactor"]),
-    ("eval_strategy", "sometimes", ["eval_strategy", "sometimes"]), ("report_to", "wandb", ["report_to", "wandb"]),
+    ("eval_strategy", "sometimes", ["eval_strategy", "sometimes"]),
+    ("report_to", "wandbb", ["report_to", "wandbb", "mlflow"]),
     ("bf16", "yes", ["bf16", "'yes'"]), ("ddp_timeout", 0, ["ddp_timeout"]), ("ddp_timeout", "30", ["ddp_timeout"]),
     ("resume_from_checkpoint", 3, ["resume_from_checkpoint", "3"]), ("dataloader_num_workers", -1, ["dataloader"]),
 ]:
