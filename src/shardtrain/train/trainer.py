@@ -32,11 +32,9 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.errors import DataError, OutputDirError, TrainingArgumentsError, install_error_hook
-from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.backend import make_backend
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.train.arguments import TrainingArguments
 from shardtrain.train.chunked_loss import resolve_chunk_size
 from shardtrain.train.data import (
@@ -46,14 +44,14 @@ from shardtrain.train.data import (
     PaddingCollator,
     StepBatchSampler,
     derive_seed,
-    forward_columns,
     passthrough,
 )
+from shardtrain.train.hf_internals import HFInternalsMixin
 from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, tracker_callbacks
 from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.model_setup import ModelSetupMixin
-from shardtrain.train.optim import build_scheduler, normalize_and_clip_grads
+from shardtrain.train.optimizer_setup import OptimizerSetupMixin
 from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
 from shardtrain.train.preflight import PreflightMixin
 from shardtrain.train.router_loss import RouterLoss
@@ -61,6 +59,7 @@ from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step_flow import StepFlowMixin
 from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
 from shardtrain.train.trainer_api import TrainerAPIMixin
+from shardtrain.train.training_step import TrainingStepMixin
 from shardtrain.train.validation import agree, writable_problem
 
 
@@ -70,7 +69,8 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, transformers.Trainer):
+class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSetupMixin, PreflightMixin, StepFlowMixin,
+              TrainerAPIMixin, transformers.Trainer):
     """A `transformers.Trainer` whose job runs on shardtrain's FSDP2 engine (see module docstring).
 
     The constructor is Hugging Face's (same arguments, same attributes); it does not build Accelerate's
@@ -189,72 +189,6 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         if getattr(self.model, "config", None) is not None:  # as Hugging Face: no KV cache unless asked for (a
             self.model.config.use_cache = args.use_cache  # cache also turns off packed-sequence masks)
 
-    def _set_hf_attributes(self) -> None:
-        """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
-        args = self.args
-        self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
-        self.is_in_train = False
-        self.hp_name = self.hp_search_backend = self.deepspeed = self.label_smoother = None
-        self.place_model_on_device = self.is_deepspeed_enabled = self.is_fsdp_xla_enabled = False
-        self.is_model_parallel = False
-        # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
-        # whether shardtrain's FSDP2 does), so libraries do not hand their extra models to Accelerate's FSDP
-        self.is_fsdp_enabled = False
-        self.label_names = list(args.label_names) if args.label_names else ["labels"]
-        self.can_return_loss = False
-        self.neftune_noise_alpha = args.neftune_noise_alpha
-        self.current_flos = 0
-        self._train_batch_size = args.train_batch_size
-        self._created_lr_scheduler = False
-        self.model_accepts_loss_kwargs = False  # the token sum is computed here, not by the model
-
-    @property
-    def callbacks(self) -> list[TrainerCallback]:
-        return self.callback_handler.callbacks
-
-    @property
-    def accelerator(self) -> Any:
-        """An Accelerate `Accelerator` on shardtrain's process group, for the code of libraries built on Hugging
-        Face's Trainer (`gather_for_metrics`, `num_processes`, `unwrap_model`, `is_main_process`). It never wraps,
-        shards or moves the model: shardtrain's backend does that. Built on first use."""
-        if self.__dict__.get("_accelerator") is None:
-            self.__dict__["_accelerator"] = engine_accelerator(self.backend)
-        return self.__dict__["_accelerator"]
-
-    @accelerator.setter
-    def accelerator(self, value: Any) -> None:
-        self.__dict__["_accelerator"] = value
-
-    def _set_signature_columns_if_needed(self) -> None:
-        """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward
-        parameters and the label names)."""
-        if self._signature_columns is None:
-            self._signature_columns = sorted(forward_columns(self.model))
-
-    def get_tp_size(self) -> int:
-        return self.dims.tp
-
-    def get_cp_size(self) -> int:
-        return self.dims.cp
-
-    def get_sp_size(self) -> int:
-        return 1
-
-    @property
-    def _loss_scale(self) -> int:
-        """Hugging Face's factor on a loss normalised by the global `num_items_in_batch`: the ranks with distinct
-        data (DDP averages gradients over them; tensor-parallel ranks share theirs). `compute_loss` returns it
-        multiplied in, and `training_step` divides it out, so a library's `compute_loss` that applies it (TRL's)
-        trains exactly."""
-        return self.world_size // self.dims.tp if self.args.average_tokens_across_devices else 1
-
-    @property
-    def _loss_per_sample(self) -> bool:
-        """Whether `compute_loss` returns a mean over its micro-batch (Hugging Face's `loss_is_scaled_for_ga`
-        False, e.g. TRL's DPO): such a loss is weighted by the micro-batch's samples; otherwise it is the sum
-        over target tokens divided by `num_items_in_batch`."""
-        return self.loss_is_scaled_for_ga is False
-
     # -- setup (the model's parallelism: shardtrain.train.model_setup) --------------------------------
     def _default_collator(self) -> Callable:
         if hasattr(self.processing_class, "pad"):  # a tokenizer: Hugging Face's default
@@ -264,61 +198,6 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
         pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
         return PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0,
                                labels_from_input_ids=is_causal_lm(self.model))
-
-    def _check_given_optimizer(self) -> None:
-        if self.optimizer is None:
-            return
-        held = {id(p) for p in self.model.parameters()}
-        given = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        if not given <= held:
-            raise TrainingArgumentsError(
-                "Trainer(optimizers=...) got an optimizer over parameters the Trainer does not train: FSDP "
-                "replaces the model's parameters with sharded ones when the Trainer wraps it. Pass "
-                "optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}) instead, or build the optimizer on "
-                "trainer.model after creating the Trainer")
-
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        """Hugging Face's: `create_optimizer()`, then `create_scheduler(num_training_steps)`."""
-        self.create_optimizer()
-        self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
-
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """Hugging Face's optimizer: `get_decay_parameter_names` grouping, `optimizer_cls_and_kwargs` or
-        `get_optimizer_cls_and_kwargs(args)`, built on the sharded parameters the Trainer holds.
-
-        Unlike transformers 5.24 the two groups are not split per device mesh: the groups then do not depend on
-        the layout, so a checkpoint resumes on another one (with or without expert parallelism); torch's fused
-        and foreach AdamW step parameters of several meshes in one group.
-        """
-        opt_model = self.model if model is None else model
-        if self.optimizer is None:
-            decay = set(self.get_decay_parameter_names(opt_model))
-            params = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-            groups = [{"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
-                      {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
-            cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-            kwargs = dict(kwargs)
-            for key in ("params", "model", "optimizer_dict"):  # Hugging Face's: groups chosen by the override
-                if key in kwargs:  # (sentence-transformers adds its loss modules' parameters this way)
-                    groups = kwargs.pop(key)
-            self.optimizer = cls(groups, **kwargs)
-        return self.optimizer
-
-    @staticmethod
-    def get_optimizer_cls_and_kwargs(args: transformers.TrainingArguments, model: Any = None) -> tuple[Any, Any]:
-        """Hugging Face's choice for `args.optim`; the fused AdamW kernel only where torch has one (CPU, CUDA)."""
-        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
-        devices = {p.device.type for p in model.parameters()} if model is not None else set()
-        if kwargs.get("fused") and not devices <= {"cpu", "cuda"}:
-            kwargs = {k: v for k, v in kwargs.items() if k != "fused"}
-        return cls, kwargs
-
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """transformers' scheduler for `lr_scheduler_type` (warmup: `warmup_steps`, a ratio when below 1)."""
-        if self.lr_scheduler is None:
-            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
-            self._created_lr_scheduler = True
-        return self.lr_scheduler
 
     def _checkpoints(self) -> CheckpointManager:
         """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""
@@ -495,171 +374,6 @@ class Trainer(ModelSetupMixin, PreflightMixin, StepFlowMixin, TrainerAPIMixin, t
                     raise DataError("train_dataset (a stream) gave no sample; check that iterating it yields samples")
                 self.state.data_epoch, self.state.data_step = epoch + 1, 0
             self._fire("on_epoch_end")
-
-    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
-        """Hugging Face's override point: the loss of `inputs`, summed over their target tokens (or samples, for
-        a model trained on its own loss) and divided by `num_items_in_batch` (those of the whole global batch of
-        this step; in evaluation, of `inputs`).
-
-        An override (or `compute_loss_func`) must return the loss in that convention (sum / num_items_in_batch)
-        for N ranks and gradient accumulation to equal one process; one returning a mean over `inputs` is exact
-        on one process without accumulation only. Under evaluation, Hugging Face's rule applies: the mean of
-        the batches' losses, weighted by their samples.
-        """
-        if self.compute_loss_func is not None:
-            labels = inputs["labels"]
-            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        else:
-            # outputs asked for: with their logits (no chunked loss)
-            loss_sum, outputs = self.loss_computer.compute(inputs, keep_logits=return_outputs)
-            count = num_items_in_batch if num_items_in_batch is not None else self.loss_computer.items(inputs)
-            loss = loss_sum / count
-            if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
-                # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
-                loss = loss + self.router_loss.local_share(outputs, inputs) / self._micro_batches
-        if num_items_in_batch is not None:
-            loss = loss * self._loss_scale  # Hugging Face's convention (see _loss_scale)
-        return (loss, outputs) if return_outputs else loss
-
-    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]],
-                        placeholders: list[bool] | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """One optimizer step: `training_step` (forward and backward) on each micro-batch, then clip and step.
-
-        Returns:
-            (local sum of token losses, global number of target tokens, total grad norm); the global number
-            of input tokens is added to `state.num_input_tokens_seen`.
-        """
-        batches = [self._model_inputs(b) for b in batches]
-        # The backward pass needs a scale that is the same on every rank and known without communication:
-        # 1 / (global batch in samples). The exact 1 / (global target tokens) is applied afterwards by
-        # `normalize_and_clip_grads`, whose one all-reduce carries the token counts with the gradient norm.
-        self._step_samples = max(self.state.global_batch_size, 1)
-        fsdp = self.backend.is_sharded(self.model)
-        # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the
-        # forward (one small all-reduce, which also tells every rank whether one of them was asked to stop)
-        placeholders = placeholders or [False] * len(batches)
-        by_samples = self._loss_per_sample
-        num_items = self._global_items(batches, placeholders, by_samples)
-        self._micro_batches = len(batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for index, batch in enumerate(batches):
-            if fsdp and len(batches) > 1:  # reduce-scatter once per step, not per micro-step
-                self.model.set_requires_gradient_sync(index == len(batches) - 1)
-            self.loss_computer.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
-            try:
-                loss = self.training_step(self.model, batch, num_items)
-            finally:
-                self.loss_computer.placeholder = False
-            loss_sum += loss.detach().float() * num_items / self._loss_scale
-            if index < len(batches) - 1:
-                self._fire("on_substep_end")
-        # FSDP averages gradients over its ranks (replicate x shard x cp). The token counts of the ranks add up to
-        # the global ones: each context-parallel rank counts the targets of its part of the sequences only.
-        divisor = self._step_samples * (self.dims.grad_average_size if fsdp else 1)
-        if self.dims.ep > 1:
-            rescale_expert_grads(self.model)
-        grad_norm, counts = normalize_and_clip_grads(self.model.parameters(),
-                                                     self.loss_computer.local_counts(batches, placeholders, by_samples),
-                                                     divisor, self.args.max_grad_norm, self.world_size,
-                                                     count_copies=self.dims.tp)
-        tokens, input_tokens = (int(c) for c in counts.tolist())
-        self._fire("on_pre_optimizer_step")
-        self.backend.optimizer_step(self.optimizer)
-        self._fire("on_optimizer_step")
-        self._step_lr = self.lr_scheduler.get_last_lr()[0]  # the rate this step used (what Hugging Face logs)
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.backend.step_end()
-        self.state.num_input_tokens_seen += input_tokens
-        self.state.total_flos += 6.0 * self._flop_params() * input_tokens
-        return loss_sum, tokens, grad_norm
-
-    def _global_items(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool],
-                      by_samples: bool = False) -> torch.Tensor:
-        """The global batch's target tokens (samples: `by_samples`) as int64 on the device; raises `Preempted` on
-        every rank when any rank received SIGTERM, and `DataError` when the global batch has nothing to learn from."""
-        header = torch.stack([self.loss_computer.local_counts(batches, placeholders, by_samples)[0],
-                              torch.tensor(float(self.preemption.requested), dtype=torch.float64,
-                                           device=self.device)])
-        self.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
-        counted, stop = header.tolist()  # one device sync for both
-        if stop > 0:
-            raise Preempted(self.state.global_step)
-        items = round(counted / self.dims.tp)
-        if items == 0:  # every rank knows the global count: all raise together, before a useless update
-            raise DataError(f"the global batch of step {self.state.global_step + 1} has no target token (every "
-                            "label is -100); make sure each batch has labels to learn from (longer samples, or "
-                            "a larger batch)")
-        return torch.tensor(items, dtype=torch.int64, device=self.device)
-
-    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:
-        """Hugging Face's override point: (loss, logits, labels) of one evaluation batch; the loss is the mean
-        over the batch (from `compute_loss`), None without labels. When it (or `compute_loss`) is overridden,
-        evaluation calls it once per batch and averages the losses over samples, as Hugging Face does; otherwise
-        evaluation sums token losses exactly over every rank."""
-        inputs = self._prepare_inputs(inputs)
-        has_labels = all(inputs.get(name) is not None for name in self.label_names)
-        ignore = set(ignore_keys or []) | {"loss"}
-        with torch.no_grad():
-            if has_labels:
-                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-                loss = loss.detach().mean()
-                if isinstance(outputs, dict):
-                    logits = outputs.get("logits") if "logits" not in ignore else None
-                    if logits is None:
-                        logits = next((v for k, v in outputs.items() if k not in ignore), None)
-                else:
-                    logits = outputs[1] if isinstance(outputs, tuple | list) and len(outputs) > 1 else None
-            else:
-                loss, logits = None, self.loss_computer.logits(inputs)
-        if prediction_loss_only:
-            return loss, None, None
-        return loss, logits, inputs.get("labels") if has_labels else None
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Hugging Face's hook: the batch as the model gets it (on the device); called by `training_step` and
-        `prediction_step`. The Trainer's own batches arrive prepared (and split under context parallelism)."""
-        if all(not isinstance(v, torch.Tensor) or v.device == self.device for v in inputs.values()):
-            return inputs
-        return self.backend.to_device(inputs)
-
-    def training_step(self, model: nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        """Hugging Face's override point: forward and backward of one micro-batch.
-
-        Returns:
-            the micro-batch's loss, detached: the sum of its token losses / `num_items_in_batch` (the target
-            tokens of the global batch), so the micro-batches of every rank add up to the step's loss.
-        """
-        model.train()
-        inputs = self._prepare_inputs(inputs)
-        every = self.args.torch_empty_cache_steps
-        if every and self.state.global_step % every == 0 and torch.cuda.is_available():
-            torch.cuda.empty_cache()  # as Hugging Face: lower peak reserved memory, at a speed cost
-        by_samples = self._loss_per_sample
-        if num_items_in_batch is None:  # called on its own: this micro-batch's tokens (or samples)
-            num_items_in_batch = self.loss_computer.items(inputs, by_samples=by_samples)
-        if by_samples:  # a mean over this micro-batch, weighted by its samples (placeholders: 0)
-            loss = self.compute_loss(model, inputs)
-            micro_sum = loss * self.loss_computer.items(inputs, by_samples=True)
-        elif self._custom_loss or self.router_loss.enabled:
-            # Hugging Face's compute_loss contract (and the router loss, added in token-sum units)
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-            micro_sum = loss * num_items_in_batch / self._loss_scale
-        else:
-            micro_sum = self.loss_computer(inputs)
-        if self.loss_computer.placeholder:  # stands in for no sample: forward and backward (FSDP collectives), weight 0
-            micro_sum = micro_sum * 0.0
-        (micro_sum / getattr(self, "_step_samples", 1)).backward()
-        # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
-        return micro_sum.detach() / num_items_in_batch * self._loss_scale
-
-    @property
-    def _custom_loss(self) -> bool:
-        return type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None
 
     def _flop_params(self) -> int:
         """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""

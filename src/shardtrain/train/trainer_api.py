@@ -97,9 +97,9 @@ class TrainerAPIMixin:
 
     def _user_prediction_step(self, ignore_keys: list[str] | None) -> Any:
         """`prediction_step` as the eval loop calls it, when the user overrode it or `compute_loss`; else None."""
-        from shardtrain.train.trainer import Trainer
+        from shardtrain.train.training_step import TrainingStepMixin
 
-        if type(self).prediction_step is Trainer.prediction_step and not self._custom_loss:
+        if type(self).prediction_step is TrainingStepMixin.prediction_step and not self._custom_loss:
             return None
 
         def step(inputs: dict, loss_only: bool) -> tuple:
