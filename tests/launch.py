@@ -52,6 +52,14 @@ def hf_and_ours(script: str | Path, root: Path) -> Path:
     return root
 
 
+def reference_and_two_ranks(script: str | Path, root: Path, reference: str) -> Path:
+    """Run a worker that takes `MODE OUT` as the library's own trainer on one process (MODE `reference`, into
+    root/reference) and as shardtrain's on two ranks ("ours", into root/ours); returns root."""
+    python(script, reference, str(root / reference))
+    torchrun(script, 2, "ours", str(root / "ours"))
+    return root
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -5,14 +5,13 @@ its loss module and its batch order; `workers/sentence_pairs.py`)."""
 from pathlib import Path
 
 import pytest
-from launch import python, read_json, torchrun
+from launch import read_json, reference_and_two_ranks
 
 WORKER = Path(__file__).parent / "workers" / "sentence_pairs.py"
 
 
 def test_two_ranks_equal_sentence_transformers_on_one_process(tmp_path):
-    python(WORKER, "st", str(tmp_path / "st"))
-    torchrun(WORKER, 2, "ours", str(tmp_path / "ours"))
+    reference_and_two_ranks(WORKER, tmp_path, "st")
     theirs, ours = read_json(tmp_path / "st" / "pairs.json"), read_json(tmp_path / "ours" / "pairs.json")
     assert len(ours["losses"]) == 6 and ours["losses"][-1] < ours["losses"][0]
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-5)

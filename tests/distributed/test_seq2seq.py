@@ -5,16 +5,14 @@ as `Seq2SeqTrainer` on one process (`workers/seq2seq.py`)."""
 from pathlib import Path
 
 import pytest
-from launch import python, read_json, torchrun
+from launch import read_json, reference_and_two_ranks
 
 WORKER = Path(__file__).parent / "workers" / "seq2seq.py"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("seq2seq")
-    python(WORKER, "hf", str(root / "hf"))
-    torchrun(WORKER, 2, "ours", str(root / "ours"))
+    root = reference_and_two_ranks(WORKER, tmp_path_factory.mktemp("seq2seq"), "hf")
     return read_json(root / "hf" / "t5.json"), read_json(root / "ours" / "t5.json")
 
 

@@ -6,17 +6,14 @@
 from pathlib import Path
 
 import pytest
-from launch import python, read_json, torchrun
+from launch import read_json, reference_and_two_ranks
 
 WORKER = Path(__file__).parent / "workers" / "trl_runs.py"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trl")
-    python(WORKER, "trl", str(root / "trl"))
-    torchrun(WORKER, 2, "ours", str(root / "ours"))
-    return root
+    return reference_and_two_ranks(WORKER, tmp_path_factory.mktemp("trl"), "trl")
 
 
 @pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo"])

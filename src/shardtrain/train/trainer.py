@@ -170,8 +170,9 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.control = TrainerControl()
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
                                    device_type=self.device.type)
-        self.loss_computer = LossComputer(self.model, self.device, bf16_autocast=args.bf16 and not args.fsdp_enabled,
-                                 chunk_size=chunk, label_smoothing=args.label_smoothing_factor)
+        self.loss_computer = LossComputer(self.model, self.device,
+                                          bf16_autocast=args.bf16 and not args.fsdp_enabled, chunk_size=chunk,
+                                          label_smoothing=args.label_smoothing_factor)
         if args.label_smoothing_factor and self.loss_computer.kind == "model":
             raise TrainingArgumentsError(
                 f"TrainingArguments.label_smoothing_factor = {args.label_smoothing_factor} with "
