@@ -12,7 +12,8 @@ the loss of a rank's tokens is exactly their share of the cp=1 loss.
 
 Attention (`cp_attention`, registered with transformers' `AttentionInterface` as "shardtrain_cp") all-gathers K
 and V over `cp` with an autograd-aware collective, so dK/dV are reduce-scattered back to their owners, builds
-the mask from the *global* positions of queries and keys (causal, key padding, sliding window) and calls SDPA.
+the mask from the *global* positions of queries and keys (causal, key padding, sliding window; packed rows: each
+document apart, found where `position_ids` restart) and calls SDPA.
 It runs on every device; PyTorch's own `context_parallel` cannot run causal attention on CPU (pytorch#147793)
 and does not take a padding mask. transformers hands a custom attention function `attention_mask=None` unless a
 mask function is registered, so under CP the padding travels in the `CPShard` passed as a forward argument.
@@ -58,6 +59,8 @@ class CPShard:
     key_padding: torch.Tensor
     length: int  # the original (unpadded) sequence length
     recompute: bool = False
+    # packed rows: (batch, keys) document number of each key in gathered order (None: one document per row)
+    key_document: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -77,6 +80,11 @@ class CPShard:
                 allowed = allowed & (k <= q)[None, None]
             if sliding_window is not None:
                 allowed = allowed & (k > q - sliding_window)[None, None]  # transformers' sliding_window_overlay
+            if self.key_document is not None:  # a packed row: a document's tokens see only their own document
+                rank = dist.get_rank(self.group)
+                n = self.query_index.numel()
+                query_document = self.key_document[:, rank * n:(rank + 1) * n]
+                allowed = allowed & (query_document[:, None, :, None] == self.key_document[:, None, None, :])
             self._masks[key] = allowed
         return self._masks[key]
 
@@ -191,13 +199,15 @@ class ContextParallel:
         attention = torch.ones_like(input_ids) if attention is None else attention
         full: dict[str, torch.Tensor] = {}
         positions = batch.get("position_ids")
+        documents = None
         if positions is None:
             positions = torch.arange(length, device=device).expand(rows, length)
         elif (positions.diff(dim=-1) != 1).any():
-            raise ContextParallelError(
-                "context parallelism got position_ids that do not count up by one in every row (packed sequences, "
-                "e.g. from DataCollatorWithFlattening); its mask is causal over the whole row, so documents would "
-                "attend to each other. Use padded batches (DataCollatorWithPadding) or cp_size 1")
+            # packed documents (DataCollatorWithFlattening, TRL's packing): a new one wherever the positions do
+            # not count on, as transformers' find_packed_sequence_indices; padding joins the last document, so no
+            # query row is left without a key
+            documents = (positions.diff(dim=-1, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+            documents = torch.cat([documents, documents[:, -1:].expand(rows, extra)], dim=1)
         full["position_ids"] = torch.cat([positions, torch.arange(length, padded, device=device)
                                           .expand(rows, extra).to(positions.dtype)], dim=1)
         full["input_ids"] = F.pad(input_ids, (0, extra), value=pad_token_id)
@@ -219,7 +229,8 @@ class ContextParallel:
             if key not in _SEQUENCE_KEYS:
                 local[key] = value
         local[SHARD_KWARG] = CPShard(self.group, mine, key_index, key_padding[:, key_index], length,
-                                     recompute=self.recompute)
+                                     recompute=self.recompute,
+                                     key_document=None if documents is None else documents[:, key_index])
         return local
 
     def gather_sequence(self, local: torch.Tensor, shard: CPShard) -> torch.Tensor:

@@ -102,6 +102,8 @@ class TrainingArguments(transformers.TrainingArguments):
     ep_size: int | None = _help("expert-parallel size (MoE experts spread over ep ranks)")
     save_async: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
     loss_chunk_size: int | str | None = _help("tokens per chunk of LM head + cross entropy; 'auto'; None: off")
+    pack_sequences: bool = field(default=False, metadata={"help": "pack each training micro-batch into one row "
+                                                                  "(no padding; documents kept apart)"})
     # as Hugging Face's Seq2SeqTrainingArguments
     predict_with_generate: bool = field(default=False, metadata={"help": "evaluate/predict generate answers"})
     generation_max_length: int | None = _help("generation: maximum total length")
@@ -211,9 +213,9 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def _check_types(self) -> None:
         """Types first, so later checks compare numbers with numbers (no raw TypeError from a str)."""
-        for name in ("save_only_model", "load_best_model_at_end", "save_async", "do_train", "do_eval", "do_predict",
-                     "logging_first_step", "eval_on_start", "prediction_loss_only", "remove_unused_columns",
-                     "use_cpu", "dataloader_pin_memory", "torch_compile"):
+        for name in ("save_only_model", "load_best_model_at_end", "save_async", "pack_sequences", "do_train",
+                     "do_eval", "do_predict", "logging_first_step", "eval_on_start", "prediction_loss_only",
+                     "remove_unused_columns", "use_cpu", "dataloader_pin_memory", "torch_compile"):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, f"must be True or False, got {getattr(self, name)!r}")
         for name in ("bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "disable_tqdm"):

@@ -114,7 +114,8 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
 
 # Fields that are ours (not Hugging Face's), and what the README's compatibility table says of some fields.
 OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async",
-              "loss_chunk_size", "predict_with_generate", "generation_max_length", "generation_num_beams"}
+              "loss_chunk_size", "pack_sequences", "predict_with_generate", "generation_max_length",
+              "generation_num_beams"}
 FIELD_NOTES = {
     "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see README)",
     "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp/tp sizes",
@@ -125,6 +126,8 @@ FIELD_NOTES = {
     "ep_size": "expert-parallel size: MoE experts spread over ep ranks (inside dp_shard x cp x tp; see README)",
     "save_async": "write checkpoints in the background (DCP async save)",
     "loss_chunk_size": "tokens per chunk of LM head + fp32 cross entropy (no full logits); 'auto'; None: off",
+    "pack_sequences": "causal LMs: each training micro-batch is one padding-free row (DataCollatorWithFlattening); "
+                      "documents kept apart; evaluation stays padded",
     "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way; not with ep",
     "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
     "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",

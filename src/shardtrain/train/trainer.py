@@ -52,6 +52,7 @@ from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.model_setup import ModelSetupMixin
 from shardtrain.train.optimizer_setup import OptimizerSetupMixin
+from shardtrain.train.packing import check_packing, packing_collator
 from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
 from shardtrain.train.preflight import PreflightMixin
 from shardtrain.train.router_loss import RouterLoss
@@ -136,7 +137,11 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class if processing_class is not None else tokenizer
         self._validate_samples = data_collator is None and not hasattr(self.processing_class, "pad")
-        self.data_collator = data_collator or self._default_collator()
+        if args.pack_sequences:
+            check_packing(self.model, data_collator, use_cache=args.use_cache)
+        self.data_collator = data_collator or self._default_collator(packed=args.pack_sequences)
+        # packing is for training: evaluation and prediction keep one row per sample
+        self._unpacked_collator = self._default_collator(packed=False) if args.pack_sequences else None
         # Hugging Face's remove_unused_columns: the columns `_set_signature_columns_if_needed` names (a library's
         # override, e.g. TRL's, keeps the ones its collator needs)
         self._signature_columns: list[str] | None = None
@@ -148,6 +153,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
             self._set_signature_columns_if_needed()
             self._keep_columns = frozenset(self._signature_columns)
             self.data_collator = ColumnFilter(self.data_collator, self._keep_columns)
+            if self._unpacked_collator is not None:
+                self._unpacked_collator = ColumnFilter(self._unpacked_collator, self._keep_columns)
         self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
         self.compute_metrics, self.compute_loss_func = compute_metrics, compute_loss_func
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
@@ -191,7 +198,9 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
             self.model.config.use_cache = args.use_cache  # cache also turns off packed-sequence masks)
 
     # -- setup (the model's parallelism: shardtrain.train.model_setup) --------------------------------
-    def _default_collator(self) -> Callable:
+    def _default_collator(self, packed: bool = False) -> Callable:
+        if packed:
+            return packing_collator(self.model, context_parallel=self.cp is not None)
         if hasattr(self.processing_class, "pad"):  # a tokenizer: Hugging Face's default
             from transformers import DataCollatorWithPadding
 
@@ -199,6 +208,10 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
         return PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0,
                                labels_from_input_ids=is_causal_lm(self.model))
+
+    def _eval_collator(self) -> Callable:
+        """The collator of evaluation and prediction batches (padded even when training packs them)."""
+        return self._unpacked_collator if self._unpacked_collator is not None else self.data_collator
 
     def _checkpoints(self) -> CheckpointManager:
         """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""

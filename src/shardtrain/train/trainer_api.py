@@ -73,7 +73,7 @@ class TrainerAPIMixin:
         batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
         # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
         user_step = self._user_prediction_step(ignore_keys)
-        loop = EvalLoop(self.model, self.loss_computer, self.data_collator, batch_size,
+        loop = EvalLoop(self.model, self.loss_computer, self._eval_collator(), batch_size,
                         self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
                         seed=self.args.seed, on_step=self._prediction_batch_done, cp=self.cp,
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
@@ -152,7 +152,7 @@ class TrainerAPIMixin:
         size = self.args.per_device_eval_batch_size
         batches = [indices[i:i + size] for i in range(0, len(indices), size)]
         sampler = _FixedBatches(batches, self.args.seed)
-        return DataLoader(CollatingDataset(dataset, self.data_collator), batch_sampler=sampler,
+        return DataLoader(CollatingDataset(dataset, self._eval_collator()), batch_sampler=sampler,
                           collate_fn=passthrough)
 
     # -- saving ------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen3_moe, variable_length_d
 from shardtrain import Trainer, TrainingArguments
 from shardtrain.errors import UserError
 from shardtrain.parallel.distributed import barrier, init_distributed
+from shardtrain.train.data import PaddingCollator
 
 DATA = variable_length_dataset(n=32)
 BASE = {"fsdp": True, "max_steps": 2, "per_device_train_batch_size": 4, "save_strategy": "no",
@@ -168,6 +169,15 @@ case("parallel_cp_router_loss", "parallelism", ["cp_size = 2", "output_router_lo
      lambda out: train(out, cp_size=2, model=tiny_qwen3_moe()))
 case("args_cp_and_tp", "arguments", ["cp_size", "tp_size"], lambda out: args(out, cp_size=2, tp_size=2))
 case("args_tp_plan_type", "arguments", ["tp_plan"], lambda out: args(out, tp_plan=["colwise"]))
+case("args_pack_sequences_type", "arguments", ["pack_sequences", "'yes'"], lambda out: args(out, pack_sequences="yes"))
+case("args_pack_with_collator", "arguments", ["pack_sequences", "DataCollatorWithFlattening", "PaddingCollator",
+                                              "drop data_collator"],
+     lambda out: Trainer(tiny_llama(), args(out, pack_sequences=True), train_dataset=DATA,
+                         data_collator=PaddingCollator()))
+case("args_pack_not_causal", "arguments", ["pack_sequences", "BertForSequenceClassification", "causal"],
+     lambda out: Trainer(tiny_bert_classifier(), args(out, pack_sequences=True), train_dataset=DATA))
+case("args_pack_with_cache", "arguments", ["pack_sequences", "use_cache", "set use_cache False"],
+     lambda out: Trainer(tiny_llama(), args(out, pack_sequences=True, use_cache=True), train_dataset=DATA))
 case("parallel_tp_not_dividing", "parallelism", ["tp_size=3", "3 does not divide the 2 ranks"],
      lambda out: train(out, tp_size=3))
 case("parallel_tp_bad_style", "parallelism", ["packed_colwise", "model.layers.*.mlp.down_proj", "colwise"],

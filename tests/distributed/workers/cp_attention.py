@@ -5,7 +5,8 @@
 1. The bare attention: forward and backward of cp=2 equal SDPA over the whole sequence (causal, key padding,
    sliding window, grouped-query heads), with and without load balancing.
 2. Whole models (Llama, Qwen2 with a sliding window), no FSDP: the summed loss and every parameter gradient of
-   a padded batch split over cp=2 equal one forward/backward of the full batch.
+   a padded batch split over cp=2 equal one forward/backward of the full batch; so do those of a packed row
+   (three documents, positions restarting), whose documents each get the logits they have alone.
 """
 
 import json
@@ -75,20 +76,37 @@ def attention_cases(cp: ContextParallel) -> list[dict]:
     return out
 
 
-def model_cases(cp: ContextParallel) -> list[dict]:
-    out = []
+def padded_batch() -> dict:
     gen = torch.Generator().manual_seed(3)
     input_ids = torch.randint(1, 64, (3, 11), generator=gen)  # 11 tokens: padded to 12 for 2 x cp chunks
     attention = torch.ones_like(input_ids)
     attention[1, 7:] = 0
     attention[2, 4:] = 0
-    labels = input_ids.masked_fill(attention == 0, -100)
-    batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
-    for name, build in (("llama", lambda: tiny_llama(layers=2)), ("qwen2", tiny_qwen2)):
+    return {"input_ids": input_ids, "attention_mask": attention,
+            "labels": input_ids.masked_fill(attention == 0, -100)}
+
+
+def packed_batch() -> dict:
+    """One row of three documents (5, 4 and 4 tokens; padded to 16 under cp), as DataCollatorWithFlattening
+    makes it: positions restart, each document's first label is ignored."""
+    from transformers import DataCollatorWithFlattening
+
+    gen = torch.Generator().manual_seed(4)
+    docs = [{"input_ids": torch.randint(1, 64, (n,), generator=gen).tolist()} for n in (5, 4, 4)]
+    return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)(docs)
+
+
+def model_cases(cp: ContextParallel) -> list[dict]:
+    out = []
+    for name, build, batch in (("llama", lambda: tiny_llama(layers=2), padded_batch()),
+                               ("qwen2", tiny_qwen2, padded_batch()),
+                               ("llama_packed", lambda: tiny_llama(layers=2), packed_batch())):
         ref_model = build()
         ref_model.config._attn_implementation = "sdpa"
-        logits = ref_model(input_ids=input_ids, attention_mask=attention).logits
-        shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+        ref_model.config.use_cache = False  # transformers builds the packed mask only without a cache
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = ref_model(**inputs).logits
+        shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         ref_loss = F.cross_entropy(logits.reshape(-1, 64), shifted.reshape(-1), ignore_index=-100, reduction="sum")
         ref_loss.backward()
         model = build()
@@ -107,9 +125,16 @@ def model_cases(cp: ContextParallel) -> list[dict]:
             dist.all_reduce(grad)
             grad_diff = max(grad_diff, (grad - ref_p.grad).abs().max().item())
         full_logits = cp.gather_sequence(local_logits.detach(), local["shardtrain_cp"])
-        out.append({"model": name, "loss": total.item(), "ref_loss": ref_loss.item(), "grad_diff": grad_diff,
-                    "logits_shape": list(full_logits.shape), "ref_logits_shape": list(logits.shape),
-                    "logits_diff": (full_logits - logits.detach()).abs().max().item()})
+        case = {"model": name, "loss": total.item(), "ref_loss": ref_loss.item(), "grad_diff": grad_diff,
+                "logits_shape": list(full_logits.shape), "ref_logits_shape": list(logits.shape),
+                "logits_diff": (full_logits - logits.detach()).abs().max().item()}
+        if "position_ids" in batch:  # each document of the packed row has the logits it has alone
+            starts = [i for i, p in enumerate(batch["position_ids"][0].tolist()) if p == 0] + [logits.shape[1]]
+            with torch.no_grad():
+                case["document_gap"] = max(
+                    (full_logits[:, a:b] - ref_model(input_ids=batch["input_ids"][:, a:b]).logits).abs().max().item()
+                    for a, b in zip(starts, starts[1:], strict=False))
+        out.append(case)
     return out
 
 
@@ -118,12 +143,6 @@ def refusals(cp: ContextParallel) -> dict[str, str]:
     from shardtrain.errors import ContextParallelError
 
     out = {}
-    ids = torch.randint(1, 64, (1, 8))
-    packed = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])}
-    try:
-        cp.shard(packed, shift_labels=True)
-    except ContextParallelError as err:
-        out["packed"] = str(err)
     q = torch.randn(1, 4, 4, 8)
     shard = CPShard(cp.group, cp.indices(8, cp.rank), torch.arange(8), torch.ones(1, 8, dtype=torch.bool), 8)
     try:
