@@ -65,3 +65,9 @@ def test_demo_trains_and_saves(tmp_path):
     train = [e for e in entries if "loss" in e]
     assert all(e["memory_kind"] == "cpu_peak_rss" and len(e["peak_memory_mb_per_rank"]) == 2 for e in train)
     assert all(e["tokens_per_second"] > 0 for e in train)
+    # Hugging Face's progress bars on stderr (not a terminal here), drawn by rank 0 only: the training bar to
+    # its end, and one bar per evaluate()/predict() (before, after, generation), each over its 4 eval batches
+    bars = [line for line in proc.stderr.replace("\r", "\n").splitlines() if "%|" in line]
+    assert any("150/150" in line for line in bars)
+    assert sum(line.lstrip().startswith("0%|") and "| 0/4 " in line for line in bars) == 3
+    assert any("| 4/4 " in line for line in bars)

@@ -25,7 +25,8 @@ def test_each_override_is_called_as_often_as_under_transformers(runs):
     ours, hf = runs
     assert ours["counts"] == hf["counts"]
     assert set(hf["counts"]) == {"compute_loss", "training_step", "prediction_step", "create_optimizer",
-                                 "create_scheduler", "get_decay_parameter_names", "log"}
+                                 "create_scheduler", "get_decay_parameter_names", "log", "get_train_dataloader"}
+    assert ours["counts"]["get_train_dataloader"] == 1  # once per train(), and its batches were trained on
     assert ours["counts"]["training_step"] == 4 and ours["counts"]["prediction_step"] == 6  # 2 evals + predict
 
 

@@ -1,6 +1,7 @@
-"""transformers' `Seq2SeqTrainer` on shardtrain's engine (`shardtrain.on_engine`): a tiny T5 on two FSDP2 ranks
-trains, evaluates and generates (beams, `predict(max_length=..., num_beams=...)`, ranks finishing apart) exactly
-as `Seq2SeqTrainer` on one process (`workers/seq2seq.py`)."""
+"""transformers' `Seq2SeqTrainer` on shardtrain's engine (`shardtrain.on_engine`): a tiny T5 and a tiny BART, each
+with `DataCollatorForSeq2Seq` and with the default collator, on two FSDP2 ranks train, evaluate and generate
+(beams, `predict(max_length=..., num_beams=...)`, ranks finishing apart) exactly as `Seq2SeqTrainer` on one
+process (`workers/seq2seq.py`)."""
 
 from pathlib import Path
 
@@ -10,10 +11,17 @@ from launch import read_json, reference_and_two_ranks
 WORKER = Path(__file__).parent / "workers" / "seq2seq.py"
 
 
+CASES = ["t5", "t5_default", "bart", "bart_default"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = reference_and_two_ranks(WORKER, tmp_path_factory.mktemp("seq2seq"), "hf")
-    return read_json(root / "hf" / "t5.json"), read_json(root / "ours" / "t5.json")
+def root(tmp_path_factory):
+    return reference_and_two_ranks(WORKER, tmp_path_factory.mktemp("seq2seq"), "hf")
+
+
+@pytest.fixture(params=CASES)
+def runs(root, request):
+    return read_json(root / "hf" / f"{request.param}.json"), read_json(root / "ours" / f"{request.param}.json")
 
 
 def test_training_and_eval_loss_equal_seq2seq_trainer(runs):

@@ -330,17 +330,27 @@ class CheckpointManager(AsyncSaveMixin):
         return [p for _, p in sorted(found)]
 
     def _rotate(self, keep: str | None) -> None:
-        if not self.save_total_limit:
+        """Hugging Face's rotation (`transformers.trainer_utils.rotate_checkpoints`): at most `save_total_limit`
+        checkpoints, never deleting the newest (to resume) nor the best (`keep`)."""
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(str(self.output_dir), self.save_total_limit, best_model_checkpoint=keep)
+
+    def keep_best_only(self, best: str | None) -> None:
+        """The end of training as Hugging Face's: with `save_total_limit` 1 only the best checkpoint stays.
+
+        Every rank calls it after loading the best checkpoint; rank 0 deletes once all have.
+        """
+        from transformers.trainer_utils import sort_checkpoints
+
+        if self.save_total_limit != 1 or not best:
             return
-        found = self.list_checkpoints(self.output_dir)
-        protected = {found[-1]} | ({Path(keep)} if keep else set())
-        excess = len(found) - self.save_total_limit
-        for path in found:
-            if excess <= 0:
-                break
-            if path not in protected:
-                shutil.rmtree(path)
-                excess -= 1
+        if dist.is_initialized():
+            dist.barrier()
+        if self.rank == 0:
+            for checkpoint in sort_checkpoints(str(self.output_dir), best_model_checkpoint=best):
+                if not os.path.samefile(checkpoint, best):
+                    shutil.rmtree(checkpoint, ignore_errors=True)
 
     def _check_shapes(self, path: Path, kind: str) -> None:
         states = self.states()

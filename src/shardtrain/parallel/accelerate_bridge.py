@@ -30,17 +30,30 @@ def _without_accelerate_env() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def engine_accelerator(backend: Any) -> Any:
+def engine_accelerator(backend: Any, args: Any = None) -> Any:
     """An `accelerate.Accelerator` for `backend`'s processes and device (None under PyTorch/XLA, whose device
-    and collectives are torch_xla's)."""
+    and collectives are torch_xla's). Its dataloader settings are `args.accelerator_config`'s, as Hugging Face's
+    Trainer passes them (seedable samplers by default), so a library's `accelerator.prepare(loader)` draws the
+    batches it draws under transformers' Trainer."""
     if getattr(backend, "is_xla", False):
         return None
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DataLoaderConfiguration
+
+    loading = DataLoaderConfiguration()
+    config = getattr(args, "accelerator_config", None)
+    if config is not None:
+        loading = DataLoaderConfiguration(split_batches=config.split_batches, dispatch_batches=config.dispatch_batches,
+                                          even_batches=config.even_batches,
+                                          use_seedable_sampler=config.use_seedable_sampler,
+                                          non_blocking=config.non_blocking)
+        loading.data_seed = args.data_seed
 
     # Accelerate's process state is a singleton; one created before the process group existed (TRL's dataset
     # preparation calls PartialState()) says "one process". It is rebuilt on the group shardtrain set up.
     if PartialState._shared_state and PartialState().num_processes != backend.world_size:
         AcceleratorState._reset_state(reset_partial_state=True)
     with _without_accelerate_env():
-        return Accelerator(cpu=backend.device.type == "cpu", mixed_precision="no", device_placement=False)
+        return Accelerator(cpu=backend.device.type == "cpu", mixed_precision="no", device_placement=False,
+                           dataloader_config=loading)

@@ -187,10 +187,10 @@ def _labels_of(item: dict[str, Any]) -> Any:
 
 @dataclass
 class PaddingCollator:
-    """Pads every per-token field to the longest sample: `input_ids` with `pad_token_id`, `labels` with -100,
-    other token fields (`attention_mask`, `token_type_ids`, ...) with 0. `label` / `label_ids` become `labels`;
-    without any, `labels` are the `input_ids` (padding ignored). Scalar labels stay a 1-D tensor; other
-    fields are stacked as tensors."""
+    """Pads every per-token field to the longest sample: `input_ids` with `pad_token_id`, `labels` with -100 (to
+    the longest labels: an encoder-decoder's targets have their own length), other token fields
+    (`attention_mask`, `token_type_ids`, ...) with 0. `label` / `label_ids` become `labels`; without any, `labels`
+    are the `input_ids` (padding ignored). Scalar labels stay a 1-D tensor; other fields are stacked as tensors."""
 
     pad_token_id: int = 0
     labels_from_input_ids: bool = True  # causal LMs: no labels means "predict every next token"
@@ -223,7 +223,9 @@ class PaddingCollator:
             out["labels"] = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in labels])
         else:
             rows = [_as_list(i["input_ids"]) if v is None else _as_list(v) for i, v in zip(items, labels, strict=True)]
-            out["labels"] = torch.tensor([row + [IGNORE_INDEX] * (longest - len(row)) for row in rows],
+            # per-token labels are as long as their input_ids; an encoder-decoder's target has its own length
+            width = max(len(row) for row in rows)
+            out["labels"] = torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for row in rows],
                                          dtype=torch.long)
         for key in items[0]:
             if key not in out and key not in LABEL_KEYS:

@@ -43,7 +43,7 @@ class HFInternalsMixin:
         Face's Trainer (`gather_for_metrics`, `num_processes`, `unwrap_model`, `is_main_process`). It never wraps,
         shards or moves the model: shardtrain's backend does that. Built on first use."""
         if self.__dict__.get("_accelerator") is None:
-            self.__dict__["_accelerator"] = engine_accelerator(self.backend)
+            self.__dict__["_accelerator"] = engine_accelerator(self.backend, self.args)
         return self.__dict__["_accelerator"]
 
     @accelerator.setter

@@ -212,6 +212,7 @@ class LossComputer:
         if self.uses_model_loss(batch):
             return self._model_loss(batch)
         labels = self.targets(batch)
+        batch = self._with_decoder_inputs(batch)
         if self.chunk_size and not keep_logits and labels.dim() > 1:
             return self._chunked(batch, labels)
         with self._autocast():
@@ -230,6 +231,16 @@ class LossComputer:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=self.label_smoothing)
         return loss, outputs
+
+    def _with_decoder_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """An encoder-decoder batch without `decoder_input_ids` (the default collator's): the model would build
+        them from the labels it is not given here, so build them as it does (`prepare_decoder_input_ids_from_labels`:
+        T5's `_shift_right`, BART's `shift_tokens_right`)."""
+        prepare = getattr(self.model, "prepare_decoder_input_ids_from_labels", None)
+        if "decoder_input_ids" in batch or "decoder_inputs_embeds" in batch or "labels" not in batch or \
+                not callable(prepare) or not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False):
+            return batch
+        return {**batch, "decoder_input_ids": prepare(labels=batch["labels"])}
 
     def _model_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
         """The model's own loss (a mean over the batch's samples) as a sum: x samples, 0 for a placeholder."""

