@@ -16,7 +16,7 @@ def runs(tmp_path_factory):
     return reference_and_two_ranks(WORKER, tmp_path_factory.mktemp("trl"), "trl")
 
 
-@pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo"])
+@pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo", "dpo_path"])
 def test_two_ranks_equal_trl_on_one_process(runs, case):
     ours, ref = read_json(runs / "ours" / f"{case}.json"), read_json(runs / "trl" / f"{case}.json")
     assert len(ours["losses"]) == len(ref["losses"]) >= 3
@@ -35,8 +35,9 @@ def test_packed_rows_keep_documents_apart(runs):
     assert packed["document_gap"] < 1e-5  # a document's logits are those it has alone
 
 
-def test_dpo_reference_model_is_sharded(runs):
-    assert read_json(runs / "ours" / "dpo.json")["ref_sharded"] is True
+@pytest.mark.parametrize("case", ["dpo", "dpo_path"])
+def test_dpo_reference_model_is_sharded(runs, case):
+    assert read_json(runs / "ours" / f"{case}.json")["ref_sharded"] is True
 
 
 def test_missing_extra_names_it(tmp_path):

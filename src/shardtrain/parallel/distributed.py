@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -54,6 +55,40 @@ def current_device() -> torch.device:
     if device_type() == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class LaunchedProcesses:
+    """What Hugging Face's `TrainingArguments.distributed_state` (Accelerate's `PartialState`) tells libraries
+    before any process group exists (TRL reads `distributed_type` while loading a model by name), from the
+    launcher's environment; the process group itself is shardtrain's backend's."""
+
+    num_processes: int
+    process_index: int
+    local_process_index: int
+    device: torch.device
+
+    @property
+    def distributed_type(self) -> str:
+        from accelerate.utils import DistributedType
+
+        if self.num_processes <= 1:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @classmethod
+    def from_environment(cls) -> LaunchedProcesses:
+        return cls(num_processes=int(os.environ.get("WORLD_SIZE", "1") or 1),
+                   process_index=int(os.environ.get("RANK", "0") or 0),
+                   local_process_index=int(os.environ.get("LOCAL_RANK", "0") or 0), device=current_device())
 
 
 def init_distributed(timeout_s: float = 600.0) -> None:

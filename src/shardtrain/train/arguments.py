@@ -146,9 +146,11 @@ class TrainingArguments(transformers.TrainingArguments):
     # -- Hugging Face's device and process properties, from torchrun's environment (no Accelerate state) --
     @cached_property
     def _setup_devices(self) -> Any:
-        from shardtrain.parallel.distributed import current_device
+        from shardtrain.parallel.distributed import LaunchedProcesses, current_device
 
-        self.distributed_state = None  # shardtrain's backend owns the process group; no PartialState
+        # shardtrain's backend owns the process group (no Accelerate PartialState that would create one); the
+        # launcher's facts stand in for it
+        self.distributed_state = LaunchedProcesses.from_environment()
         device = current_device()
         self._n_gpu = 1 if device.type == "cuda" else 0
         return device

@@ -5,7 +5,8 @@ same global batch: per step 8 samples (SFT) or 4 preference pairs x 2 accumulati
     python trl_runs.py trl OUT
     torchrun --nproc_per_node 2 trl_runs.py ours OUT
 
-Writes OUT/<case>.json: per-step losses and gradient norms, the eval loss (SFT), and for the packed case the
+Cases: sft, sft_packed, dpo, and dpo_path (the policy passed as a directory: TRL loads it and its reference
+model on every rank, reading `args.distributed_state`). Writes OUT/<case>.json: per-step losses and gradient norms, the eval loss (SFT), and for the packed case the
 first packed row's position_ids and the largest difference between the logits of each of its documents and
 those of the document run alone.
 """
@@ -105,7 +106,8 @@ def sft(name: str, packing: bool) -> dict:
     return result
 
 
-def dpo(name: str) -> dict:
+def dpo(name: str, by_path: bool = False) -> dict:
+    """`by_path`: the policy given as a saved model's directory; TRL loads it, and the reference model from it."""
     rng = random.Random(0)
     pairs = [{"prompt": text(rng, 2, 5) + " ", "chosen": text(rng, 2, 6), "rejected": text(rng, 2, 6)}
              for _ in range(16)]
@@ -113,8 +115,14 @@ def dpo(name: str) -> dict:
     args = arguments(config_cls, name, per_device_train_batch_size=4 // WORLD, gradient_accumulation_steps=2,
                      max_steps=3, beta=0.1)
     policy = model()
-    trainer = trainer_cls(model=policy, ref_model=copy.deepcopy(policy), args=args,
-                          train_dataset=datasets.Dataset.from_list(pairs), processing_class=tokenizer())
+    given = {"model": policy, "ref_model": copy.deepcopy(policy)}
+    if by_path:
+        policy.save_pretrained(OUT / "policy")  # rank 0 writes (the process group of the earlier cases is up)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        given = {"model": str(OUT / "policy")}
+    trainer = trainer_cls(**given, args=args, train_dataset=datasets.Dataset.from_list(pairs),
+                          processing_class=tokenizer())
     trainer.train()
     out = history(trainer)
     if MODE == "ours":  # the reference model is sharded like the policy
@@ -127,7 +135,7 @@ def dpo(name: str) -> dict:
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, run in (("sft", lambda: sft("sft", False)), ("sft_packed", lambda: sft("sft_packed", True)),
-                      ("dpo", lambda: dpo("dpo"))):
+                      ("dpo", lambda: dpo("dpo")), ("dpo_path", lambda: dpo("dpo_path", by_path=True))):
         result = run()
         if RANK == 0:
             (OUT / f"{name}.json").write_text(json.dumps(result))
