@@ -25,8 +25,10 @@ def test_each_override_is_called_as_often_as_under_transformers(runs):
     ours, hf = runs
     assert ours["counts"] == hf["counts"]
     assert set(hf["counts"]) == {"compute_loss", "training_step", "prediction_step", "create_optimizer",
-                                 "create_scheduler", "get_decay_parameter_names", "log", "get_train_dataloader"}
+                                 "create_scheduler", "get_decay_parameter_names", "log", "get_train_dataloader",
+                                 "get_eval_dataloader", "get_test_dataloader", "evaluation_loop"}
     assert ours["counts"]["get_train_dataloader"] == 1  # once per train(), and its batches were trained on
+    assert ours["counts"]["get_eval_dataloader"] == 2 and ours["counts"]["evaluation_loop"] == 3  # 2 evals + predict
     assert ours["counts"]["training_step"] == 4 and ours["counts"]["prediction_step"] == 6  # 2 evals + predict
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -13,10 +13,11 @@ from torch import nn
 from transformers import EvalPrediction
 from transformers.trainer_utils import PredictionOutput
 
+from shardtrain.errors import DataError
 from shardtrain.parallel.context import SHARD_KWARG, ContextParallel
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data import IGNORE_INDEX, CollatingDataset, SeededIndices, derive_seed
-from shardtrain.train.loss import LossComputer
+from shardtrain.train.loss import LossComputer, batch_rows
 
 
 def _first_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
@@ -24,6 +25,10 @@ def _first_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
     size = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return {k: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size else v
             for k, v in batch.items()}
+
+
+def _ignored(labels: Any) -> Any:
+    return torch.full_like(labels, IGNORE_INDEX) if isinstance(labels, torch.Tensor) else labels
 
 
 def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
@@ -67,23 +72,53 @@ class EvalLoop:
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
+        """Evaluate `dataset`: this rank's contiguous block, in batches of `batch_size`, in dataset order."""
         per_rank = math.ceil(len(dataset) / self.dp_size)
         start = self.dp_rank * per_rank
         mine = list(range(start, min(len(dataset), start + per_rank)))
         steps = max(1, math.ceil(per_rank / self.batch_size))
         mine += [-1] * (steps * self.batch_size - len(mine))
         data = CollatingDataset(dataset, self.collator)
+
+        def batches() -> Iterator[tuple[list[int], dict]]:
+            for step in range(steps):
+                indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
+                # collated under its own seed: a collator that draws random numbers leaves dropout's RNG alone
+                yield indices, data.__getitems__(SeededIndices(indices, derive_seed(self.seed, "eval", step,
+                                                                                    self.dp_rank)))
+        return self._evaluate(batches(), steps, prefix, compute_metrics, with_predictions)
+
+    def run_loader(self, loader: Any, prefix: str, compute_metrics: Callable | None,
+                   with_predictions: bool) -> PredictionOutput:
+        """Evaluate the batches of a loader that is not shardtrain's (an overridden `get_eval_dataloader`): they
+        are this rank's; a rank with fewer batches than another repeats its last one with every label ignored,
+        so every rank runs the same forward passes. Predictions are gathered in rank order."""
+        counts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(counts, len(loader))
+        steps = max(counts)
+
+        def batches() -> Iterator[tuple[list[int], dict]]:
+            last = None
+            for batch in loader:
+                last = batch
+                yield [0] * batch_rows(batch), batch
+            for _ in range(steps - counts[dist.get_rank()]):
+                if last is None:
+                    raise DataError("the evaluation dataloader of this rank is empty while others have batches; "
+                                    "give every rank at least one batch")
+                yield [-1] * batch_rows(last), {k: _ignored(v) if k == "labels" else v for k, v in last.items()}
+        return self._evaluate(batches(), steps, prefix, compute_metrics, with_predictions)
+
+    def _evaluate(self, batches: Iterator[tuple[list[int], dict]], steps: int, prefix: str,
+                  compute_metrics: Callable | None, with_predictions: bool) -> PredictionOutput:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            for step in range(steps):
-                indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
-                # collated under its own seed: a collator that draws random numbers leaves dropout's RNG alone
-                seeded = SeededIndices(indices, derive_seed(self.seed, "eval", step, self.dp_rank))
-                batch = self.backend.to_device(data.__getitems__(seeded))
+            for indices, collated in batches:
+                batch = self.backend.to_device(collated)
                 inputs = self.prepare(batch) if self.prepare is not None else batch
                 real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
                 if self.prediction_step is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Sampler
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
-from transformers.trainer_utils import PredictionOutput, speed_metrics
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, speed_metrics
 
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_checkpoint
 from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
@@ -21,6 +21,8 @@ from shardtrain.train.evaluation import EvalLoop
 from shardtrain.train.generation import generate_answers
 from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
 from shardtrain.train.validation import ModelLimits, agree, validate_dataset, writable_problem
+
+SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks
 
 
 class TrainerAPIMixin:
@@ -45,10 +47,11 @@ class TrainerAPIMixin:
     # -- evaluation --------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss averaged over every eval token on every rank, `compute_metrics`, and speed; logged."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        output = self._run_prediction(dataset, metric_key_prefix, with_predictions=self.compute_metrics is not None
-                                      and not self.args.prediction_loss_only, ignore_keys=ignore_keys)
+        """Loss averaged over every eval token on every rank, `compute_metrics`, and speed; logged. As Hugging
+        Face: `get_eval_dataloader(eval_dataset)`, then `evaluation_loop` (each an override point)."""
+        loader = self.get_eval_dataloader(eval_dataset)
+        output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None
+                                      else None, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self.log(output.metrics)
         self._fire("on_evaluate", metrics=output.metrics)
         return output.metrics
@@ -56,19 +59,39 @@ class TrainerAPIMixin:
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (and labels, loss and metrics when the data has labels) on every rank, in dataset order."""
-        output = self._run_prediction(test_dataset, metric_key_prefix, with_predictions=True, ignore_keys=ignore_keys)
+        output = self.evaluation_loop(self.get_test_dataloader(test_dataset), "Prediction", ignore_keys=ignore_keys,
+                                      metric_key_prefix=metric_key_prefix)
         self._fire("on_predict", metrics=output.metrics)
-        return output
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Hugging Face's override point: evaluate `dataloader` on every rank.
+
+        A loader from shardtrain's `get_eval_dataloader` / `get_test_dataloader` stands for its dataset, which is
+        evaluated exactly (token sums over every rank, predictions gathered in dataset order); any other loader's
+        batches (an override's) are this rank's, gathered in rank order.
+        """
+        loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        source = getattr(dataloader, SHARED_DATASET, dataloader)
+        output = self._run_prediction(source, metric_key_prefix, with_predictions=not loss_only,
+                                      ignore_keys=ignore_keys)
+        rows = len(source) if source is not dataloader else len(output.predictions) \
+            if output.predictions is not None else 0
+        return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
+                              num_samples=rows)
 
     def _run_prediction(self, dataset: Any, prefix: str, with_predictions: bool,
                         ignore_keys: list[str] | None = None) -> PredictionOutput:
-        if dataset is None:
-            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
-        if id(dataset) not in self._validated:
-            limits = ModelLimits.of(self.model, self.loss_computer.shift_labels)
-            validate_dataset(dataset, name=f"{prefix}_dataset", limits=limits,
-                             check_samples=self._validate_samples, need_targets=False, device=self.device)
-            self._validated.add(id(dataset))
+        """Evaluate a dataset, or the batches of a loader that is not shardtrain's (see `evaluation_loop`)."""
+        foreign = isinstance(dataset, DataLoader)
+        if foreign and (self.dims.cp > 1 or self.dims.tp > 1):
+            raise TrainingArgumentsError(
+                "an overridden get_eval_dataloader/get_test_dataloader returned its own DataLoader while cp_size or "
+                "tp_size > 1, whose ranks must evaluate the same samples; return super().get_eval_dataloader(...) "
+                "(shardtrain's split of the dataset), or evaluate with cp_size and tp_size 1")
+        if not foreign:
+            self._validate_eval_dataset(dataset, f"{prefix}_dataset")
         start = time.time()
         batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
         # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
@@ -82,9 +105,13 @@ class TrainerAPIMixin:
                         else None,
                         collects=self._collects_predictions, backend=self.backend,
                         prediction_step=user_step)
-        output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
-        steps = -(-len(dataset) // (batch_size * self.dims.batch_size))
-        output.metrics.update(speed_metrics(prefix, start, num_samples=len(dataset), num_steps=steps))
+        if foreign:
+            output = loop.run_loader(dataset, prefix, self.compute_metrics, with_predictions)
+            samples, steps = len(dataset) * batch_size * self.dims.batch_size, len(dataset)
+        else:
+            output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
+            samples, steps = len(dataset), -(-len(dataset) // (batch_size * self.dims.batch_size))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=steps))
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
         return output
@@ -139,21 +166,31 @@ class TrainerAPIMixin:
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """This rank's contiguous share of the evaluation set, collated."""
-        return self._share_loader(eval_dataset if eval_dataset is not None else self.eval_dataset)
+        return self._share_loader(eval_dataset if eval_dataset is not None else self.eval_dataset, "eval_dataset")
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
-        return self._share_loader(test_dataset)
+        return self._share_loader(test_dataset, "test_dataset")
 
-    def _share_loader(self, dataset: Any) -> DataLoader:
+    def _validate_eval_dataset(self, dataset: Any, name: str) -> None:
         if dataset is None:
-            raise DataError("a dataloader needs a dataset")
+            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
+        if id(dataset) not in self._validated:
+            limits = ModelLimits.of(self.model, self.loss_computer.shift_labels)
+            validate_dataset(dataset, name=name, limits=limits, check_samples=self._validate_samples,
+                             need_targets=False, device=self.device)
+            self._validated.add(id(dataset))
+
+    def _share_loader(self, dataset: Any, name: str) -> DataLoader:
+        self._validate_eval_dataset(dataset, name)
         per_rank = -(-len(dataset) // self.dims.batch_size)
         indices = list(range(self.dp_rank * per_rank, min(len(dataset), (self.dp_rank + 1) * per_rank)))
         size = self.args.per_device_eval_batch_size
         batches = [indices[i:i + size] for i in range(0, len(indices), size)]
         sampler = _FixedBatches(batches, self.args.seed)
-        return DataLoader(CollatingDataset(dataset, self._eval_collator()), batch_sampler=sampler,
-                          collate_fn=passthrough)
+        loader = DataLoader(CollatingDataset(dataset, self._eval_collator()), batch_sampler=sampler,
+                            collate_fn=passthrough)
+        setattr(loader, SHARED_DATASET, dataset)  # evaluation_loop evaluates the dataset itself, exactly
+        return loader
 
     # -- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,

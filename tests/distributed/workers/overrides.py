@@ -4,7 +4,8 @@ the calls, on shardtrain's Trainer or on transformers' own (one process).
     python overrides.py ours|hf OUT.json
 
 The `compute_loss` override doubles the loss, so training and evaluation losses show whether it was used; the
-`get_train_dataloader` override feeds two batches of 4 per epoch in dataset order.
+`get_train_dataloader` override feeds two batches of 4 per epoch in dataset order, and `get_eval_dataloader`
+returns a plain DataLoader of its own.
 Writes the call counts, the losses, predictions on unlabeled data, what `isinstance` and the callback handler
 say.
 """
@@ -59,6 +60,21 @@ def counting(base: type) -> type:
         def get_train_dataloader(self):  # two batches of 4 per epoch, in dataset order
             self.counts["get_train_dataloader"] += 1
             return torch.utils.data.DataLoader(self.train_dataset, batch_size=N // 2, collate_fn=self.data_collator)
+
+        def get_eval_dataloader(self, eval_dataset=None):  # its own loader: batches of 4 in dataset order
+            self.counts["get_eval_dataloader"] += 1
+            dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+            return torch.utils.data.DataLoader(dataset, batch_size=4, collate_fn=self.data_collator)
+
+        def get_test_dataloader(self, test_dataset):
+            self.counts["get_test_dataloader"] += 1
+            return super().get_test_dataloader(test_dataset)
+
+        def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                            metric_key_prefix="eval"):
+            self.counts["evaluation_loop"] += 1
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
 
         def log(self, logs, start_time=None):
             self.counts["log"] += 1

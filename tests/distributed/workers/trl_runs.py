@@ -6,9 +6,9 @@ same global batch: per step 8 samples (SFT) or 4 preference pairs x 2 accumulati
     torchrun --nproc_per_node 2 trl_runs.py ours OUT
 
 Cases: sft, sft_packed, dpo, and dpo_path (the policy passed as a directory: TRL loads it and its reference
-model on every rank, reading `args.distributed_state`). Writes OUT/<case>.json: per-step losses and gradient norms, the eval loss (SFT), and for the packed case the
-first packed row's position_ids and the largest difference between the logits of each of its documents and
-those of the document run alone.
+model on every rank, reading `args.distributed_state`). Writes OUT/<case>.json: per-step losses and gradient
+norms, the eval loss (SFT), and for the packed case the first packed row's position_ids and the largest
+difference between the logits of each of its documents and those of the document run alone.
 """
 
 import copy
