@@ -38,3 +38,10 @@ def test_neftune_noise_applies_while_training_only(runs):
     plain, noisy = read_json(runs / "ours1" / "plain.json"), read_json(runs / "ours1" / "neftune.json")
     assert noisy["losses"][0] != pytest.approx(plain["losses"][0], abs=1e-5)  # noise in the first forward
     assert noisy["hooks_left"] == 0  # deactivated after train(): evaluation and saving see clean embeddings
+
+
+def test_batch_eval_metrics_accumulates_over_every_batch_of_every_rank(runs):
+    hf, one, two = (read_json(runs / run / "batch_metrics.json") for run in ("hf", "ours1", "ours2"))
+    assert hf["rows"] == one["rows"] == two["rows"] == 12  # every eval sample, once
+    assert one["accuracy"] == hf["accuracy"] == two["accuracy"]
+    assert hf["tensors"] == one["tensors"] == two["tensors"] == 1.0  # batches arrive as tensors, as under HF

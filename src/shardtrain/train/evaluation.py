@@ -57,7 +57,8 @@ class EvalLoop:
                  on_step: Callable[[int], None] | None = None, cp: ContextParallel | None = None,
                  prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
                  generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True, *,
-                 backend: Any, prediction_step: Callable[[dict, bool], tuple] | None = None) -> None:
+                 backend: Any, prediction_step: Callable[[dict, bool], tuple] | None = None,
+                 batch_metrics: bool = False, keep_predictions: bool = True) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step(steps): the callbacks' on_prediction_step
@@ -69,6 +70,9 @@ class EvalLoop:
         # a user's prediction_step / compute_loss: (inputs, loss_only) -> (batch-mean loss, logits, labels), and
         # the loss is averaged over samples, as Hugging Face's evaluation_loop does
         self.prediction_step = prediction_step
+        # batch_eval_metrics: compute_metrics(EvalPrediction, compute_result) on each batch of every rank, gathered;
+        # keep_predictions False: none are kept (Hugging Face's evaluate() under batch_eval_metrics)
+        self.batch_metrics, self.keep_predictions = batch_metrics, keep_predictions
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -114,10 +118,12 @@ class EvalLoop:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
+        batch_result: dict | None = None  # batch_eval_metrics: what compute_metrics returned last
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            for indices, collated in batches:
+            for step, (indices, collated) in enumerate(batches):
+                seen = len(preds), len(labels)
                 batch = self.backend.to_device(collated)
                 inputs = self.prepare(batch) if self.prepare is not None else batch
                 real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
@@ -148,6 +154,9 @@ class EvalLoop:
                     logits = self.cp.gather_sequence(logits, inputs[SHARD_KWARG])
                 if with_predictions and logits is not None and self.collects:
                     self._collect(indices, batch, logits, preds, labels)
+                if self.batch_metrics and compute_metrics is not None and with_predictions:
+                    batch_result = self._batch_metrics(preds, labels, seen, compute_metrics, step == steps - 1) \
+                        or batch_result
                 self.backend.step_end()
                 if self.on_step is not None:
                     self.on_step(steps)
@@ -162,11 +171,33 @@ class EvalLoop:
             predictions = _stack_padded([p for rank_preds, _ in gathered for p in rank_preds])
             label_ids = _stack_padded([label for _, rank_labels in gathered for label in rank_labels]) \
                 if any(rank_labels for _, rank_labels in gathered) else None
-            if compute_metrics is not None and label_ids is not None:  # as Hugging Face: no labels, no metrics
+            if self.batch_metrics:
+                extra = batch_result or {}
+            elif compute_metrics is not None and label_ids is not None:  # as Hugging Face: no labels, no metrics
                 extra = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
-                metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": float(v)
-                                for k, v in extra.items()})
+            else:
+                extra = {}
+            metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": float(v) for k, v in extra.items()})
+            if not self.keep_predictions:
+                predictions = label_ids = None
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    def _batch_metrics(self, preds: list, labels: list, seen: tuple[int, int], compute_metrics: Callable,
+                       last: bool) -> dict | None:
+        """Hugging Face's batch_eval_metrics: compute_metrics on this step's rows of every rank (gathered, in rank
+        order, as tensors); the rows are dropped afterwards unless predictions are kept."""
+        mine = (preds[seen[0]:], labels[seen[1]:])
+        if not self.keep_predictions:
+            del preds[seen[0]:], labels[seen[1]:]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        step_preds = [p for rank_preds, _ in gathered for p in rank_preds]
+        step_labels = [label for _, rank_labels in gathered for label in rank_labels]
+        if not step_preds or not step_labels:
+            return None
+        return compute_metrics(EvalPrediction(predictions=torch.as_tensor(_stack_padded(step_preds)),
+                                              label_ids=torch.as_tensor(_stack_padded(step_labels))),
+                               compute_result=last)
 
     @staticmethod
     def _collect_generated(indices: list[int], generated: list, answers: list, preds: list, labels: list) -> None:

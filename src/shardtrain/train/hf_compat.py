@@ -21,7 +21,6 @@ REFUSED: dict[str, str] = {
     "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
     "auto_find_batch_size": "set per_device_train_batch_size yourself (batches must be equal on every rank)",
     "include_for_metrics": "compute_metrics receives predictions and label_ids only",
-    "batch_eval_metrics": "compute_metrics runs once over the whole evaluation set",
     "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
     "train_sampling_strategy": "samples are shuffled once per epoch ('random' only)",
     "optim_target_modules": "only torch's elementwise optimizers are available",
@@ -126,6 +125,8 @@ FIELD_NOTES = {
     "ep_size": "expert-parallel size: MoE experts spread over ep ranks (inside dp_shard x cp x tp; see README)",
     "save_async": "write checkpoints in the background (DCP async save)",
     "loss_chunk_size": "tokens per chunk of LM head + fp32 cross entropy (no full logits); 'auto'; None: off",
+    "batch_eval_metrics": "compute_metrics(EvalPrediction, compute_result) after every batch, on the batch "
+                          "gathered from every rank (tensors); evaluate() keeps no predictions",
     "pack_sequences": "causal LMs: each training micro-batch is one padding-free row (DataCollatorWithFlattening); "
                       "documents kept apart; evaluation stays padded",
     "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way; not with ep",

@@ -11,6 +11,7 @@ Callbacks are transformers' (`TrainerCallback`, `TrainerState`, `TrainerControl`
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import random
@@ -93,7 +94,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         processing_class: the tokenizer/processor; its pad token is used and `save_model` saves it.
         model_init: builds the model when `model` is None.
         compute_loss_func: `fn(outputs, labels, num_items_in_batch) -> loss`, as in Hugging Face.
-        compute_metrics: `fn(EvalPrediction) -> dict`, run over the whole eval set.
+        compute_metrics: `fn(EvalPrediction) -> dict`, run over the whole eval set (`batch_eval_metrics`:
+            `fn(EvalPrediction, compute_result)` after every batch, as Hugging Face).
         callbacks: `transformers.TrainerCallback` instances or classes.
         optimizers: (optimizer, scheduler); an optimizer must be built on the parameters of the model as the
             Trainer holds it (after FSDP): prefer `optimizer_cls_and_kwargs`.
@@ -159,6 +161,11 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
                 self._unpacked_collator = ColumnFilter(self._unpacked_collator, self._keep_columns)
         self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
         self.compute_metrics, self.compute_loss_func = compute_metrics, compute_loss_func
+        if args.batch_eval_metrics and compute_metrics is not None and \
+                "compute_result" not in inspect.signature(compute_metrics).parameters:
+            raise TrainingArgumentsError("TrainingArguments.batch_eval_metrics = True calls compute_metrics after "
+                                         "every batch with compute_result=True on the last; give compute_metrics a "
+                                         "compute_result argument (it returns the summary when that is True)")
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         # Hugging Face's default callbacks: DefaultFlowCallback, and the display (a progress bar or a printer)

@@ -75,14 +75,15 @@ class TrainerAPIMixin:
         loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
         source = getattr(dataloader, SHARED_DATASET, dataloader)
         output = self._run_prediction(source, metric_key_prefix, with_predictions=not loss_only,
-                                      ignore_keys=ignore_keys)
+                                      ignore_keys=ignore_keys, keep_predictions=description == "Prediction"
+                                      or not self.args.batch_eval_metrics)
         rows = len(source) if source is not dataloader else len(output.predictions) \
             if output.predictions is not None else 0
         return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
                               num_samples=rows)
 
     def _run_prediction(self, dataset: Any, prefix: str, with_predictions: bool,
-                        ignore_keys: list[str] | None = None) -> PredictionOutput:
+                        ignore_keys: list[str] | None = None, keep_predictions: bool = True) -> PredictionOutput:
         """Evaluate a dataset, or the batches of a loader that is not shardtrain's (see `evaluation_loop`)."""
         foreign = isinstance(dataset, DataLoader)
         if foreign and (self.dims.cp > 1 or self.dims.tp > 1):
@@ -104,7 +105,8 @@ class TrainerAPIMixin:
                         generate=self._generate_batch if self.args.predict_with_generate and user_step is None
                         else None,
                         collects=self._collects_predictions, backend=self.backend,
-                        prediction_step=user_step)
+                        prediction_step=user_step, batch_metrics=self.args.batch_eval_metrics,
+                        keep_predictions=keep_predictions)
         if foreign:
             output = loop.run_loader(dataset, prefix, self.compute_metrics, with_predictions)
             samples, steps = len(dataset) * batch_size * self.dims.batch_size, len(dataset)

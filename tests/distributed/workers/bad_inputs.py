@@ -169,6 +169,9 @@ case("parallel_cp_router_loss", "parallelism", ["cp_size = 2", "output_router_lo
      lambda out: train(out, cp_size=2, model=tiny_qwen3_moe()))
 case("args_cp_and_tp", "arguments", ["cp_size", "tp_size"], lambda out: args(out, cp_size=2, tp_size=2))
 case("args_tp_plan_type", "arguments", ["tp_plan"], lambda out: args(out, tp_plan=["colwise"]))
+case("args_batch_metrics_signature", "arguments", ["batch_eval_metrics", "compute_result"],
+     lambda out: Trainer(tiny_llama(), args(out, batch_eval_metrics=True), train_dataset=DATA,
+                         compute_metrics=lambda prediction: {}))
 case("args_pack_sequences_type", "arguments", ["pack_sequences", "'yes'"], lambda out: args(out, pack_sequences="yes"))
 case("args_pack_with_collator", "arguments", ["pack_sequences", "DataCollatorWithFlattening", "PaddingCollator",
                                               "drop data_collator"],

@@ -1,5 +1,6 @@
-"""Hugging Face fields that change what is trained: label_smoothing_factor (classifier and causal LM), optim
-sgd / rmsprop, neftune_noise_alpha, under shardtrain's Trainer or transformers' (one process).
+"""Hugging Face fields that change what is trained or evaluated: label_smoothing_factor (classifier and causal
+LM), optim sgd / rmsprop, neftune_noise_alpha, batch_eval_metrics, under shardtrain's Trainer or transformers'
+(one process).
 
     python hf_fields.py hf OUT                    # transformers.Trainer
     python hf_fields.py ours OUT                  # shardtrain.Trainer, one process
@@ -21,8 +22,28 @@ from transformers import BertConfig, BertForSequenceClassification
 N = 8
 CASES = {"smooth_cls": {"label_smoothing_factor": 0.1}, "smooth_lm": {"label_smoothing_factor": 0.1},
          "sgd": {"optim": "sgd"}, "rmsprop": {"optim": "rmsprop", "learning_rate": 1e-3},
-         "neftune": {"neftune_noise_alpha": 5.0}, "plain": {}}
-HF_CASES = ("smooth_cls", "smooth_lm", "sgd", "rmsprop")
+         "neftune": {"neftune_noise_alpha": 5.0}, "plain": {}, "batch_metrics": {"batch_eval_metrics": True}}
+HF_CASES = ("smooth_cls", "smooth_lm", "sgd", "rmsprop", "batch_metrics")
+
+
+class BatchAccuracy:
+    """A compute_metrics for batch_eval_metrics: accumulates over batches, returns at compute_result."""
+
+    def __init__(self) -> None:
+        self.correct = self.rows = self.calls = 0
+        self.tensors = True
+
+    def __call__(self, prediction, compute_result: bool) -> dict:
+        preds, labels = prediction.predictions, prediction.label_ids
+        self.tensors &= isinstance(preds, torch.Tensor) and isinstance(labels, torch.Tensor)
+        self.correct += int((preds.argmax(-1) == labels).sum())
+        self.rows += len(labels)
+        self.calls += 1
+        if not compute_result:
+            return {}
+        out = {"accuracy": self.correct / self.rows, "rows": self.rows, "tensors": float(self.tensors)}
+        self.correct = self.rows = 0
+        return out
 
 
 def case(name: str) -> tuple[torch.nn.Module, list, list]:
@@ -36,7 +57,7 @@ def case(name: str) -> tuple[torch.nn.Module, list, list]:
         vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         pad_token_id=0))
-    ids = torch.randint(3, 60, (N + 4, 6), generator=gen)
+    ids = torch.randint(3, 60, (N + (12 if name == "batch_metrics" else 4), 6), generator=gen)
     rows = [{"input_ids": r.tolist(), "attention_mask": [1] * 6, "labels": int(r[0]) % 3} for r in ids]
     return model, rows[:N], rows[N:]
 
@@ -58,7 +79,8 @@ def main() -> None:
         args = TrainingArguments(str(out / name), max_steps=3, per_device_eval_batch_size=4, logging_steps=1,
                                  save_strategy="no", report_to="none", disable_tqdm=True, seed=3, use_cpu=True,
                                  **{"learning_rate": 0.05, **fields, **batch})
-        trainer = Trainer(model, args, train_dataset=train, eval_dataset=evaluation)
+        metrics_fn = BatchAccuracy() if name == "batch_metrics" else None
+        trainer = Trainer(model, args, train_dataset=train, eval_dataset=evaluation, compute_metrics=metrics_fn)
         trainer.train()
         metrics = trainer.evaluate()
         embeddings = trainer.model.get_input_embeddings()
@@ -66,6 +88,8 @@ def main() -> None:
             (out / f"{name}.json").write_text(json.dumps({
                 "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
                 "eval_loss": metrics["eval_loss"], "hooks_left": len(embeddings._forward_hooks),
+                "accuracy": metrics.get("eval_accuracy"), "rows": metrics.get("eval_rows"),
+                "tensors": metrics.get("eval_tensors"),
                 "optimizer": type(trainer.optimizer).__name__}))
 
 

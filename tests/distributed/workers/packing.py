@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from packed_rows import document_gap
 from tiny_models import tiny_llama
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
@@ -48,24 +49,6 @@ def hf() -> None:
     (OUT / "packed.json").write_text(json.dumps(history(trainer)))
 
 
-def document_gap(trainer) -> tuple[list[int], float]:
-    """(position_ids of a packed micro-batch, max |logits of each document in it - its logits alone|)."""
-    from shardtrain.parallel.fsdp import reshard_all
-
-    batch = trainer.data_collator(documents(4, 9))
-    ids, positions = batch["input_ids"], batch["position_ids"]
-    starts = [i for i, p in enumerate(positions[0].tolist()) if p == 0] + [ids.shape[1]]
-    net = trainer.model
-    net.eval()
-    with torch.no_grad():
-        packed = net(input_ids=ids, position_ids=positions).logits
-        gap = max(float((packed[:, a:b] - net(input_ids=ids[:, a:b]).logits).abs().max())
-                  for a, b in zip(starts, starts[1:], strict=False))
-    reshard_all(net)  # FSDP2 keeps the root's parameters gathered after a forward without backward
-    net.train()
-    return positions[0].tolist(), gap
-
-
 def ours() -> None:
     from shardtrain import Trainer, TrainingArguments, destroy_distributed
 
@@ -79,7 +62,8 @@ def ours() -> None:
         trainer = Trainer(tiny_llama(tie=True), args, train_dataset=documents(32, 1), eval_dataset=documents(10, 2))
         result = {}
         if name == "packed":
-            result["position_ids"], result["document_gap"] = document_gap(trainer)
+            result["position_ids"], result["document_gap"] = document_gap(trainer.model,
+                                                                          trainer.data_collator(documents(4, 9)))
         trainer.train()
         result.update(history(trainer), eval_loss=trainer.evaluate()["eval_loss"])
         if RANK == 0:

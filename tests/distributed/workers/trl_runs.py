@@ -21,6 +21,7 @@ from pathlib import Path
 import datasets
 import torch
 import trl
+from packed_rows import document_gap
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -66,27 +67,6 @@ def history(trainer) -> dict:
     return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs]}
 
 
-def per_document_gap(trainer) -> tuple[list[int], float]:
-    """(position_ids of the first packed row, max |logits of each document in the row - logits alone|)."""
-    batch = trainer.data_collator([trainer.train_dataset[0]])
-    ids, positions = batch["input_ids"], batch["position_ids"]
-    starts = [i for i, p in enumerate(positions[0].tolist()) if p == 0] + [ids.shape[1]]
-    net = trainer.model
-    net.eval()
-    with torch.no_grad():
-        packed = net(input_ids=ids, position_ids=positions).logits
-        gap = 0.0
-        for a, b in zip(starts, starts[1:], strict=False):
-            alone = net(input_ids=ids[:, a:b]).logits
-            gap = max(gap, float((packed[:, a:b] - alone).abs().max()))
-    if MODE == "ours":  # FSDP2 keeps the root's parameters gathered after a forward without backward
-        from shardtrain.parallel.fsdp import reshard_all
-
-        reshard_all(net)
-    net.train()
-    return positions[0].tolist(), gap
-
-
 def sft(name: str, packing: bool) -> dict:
     rng = random.Random(0)
     rows = [{"prompt": text(rng, 2, 6) + " ", "completion": text(rng, 2, 8)} for _ in range(40)]
@@ -100,7 +80,8 @@ def sft(name: str, packing: bool) -> dict:
                           processing_class=tokenizer())
     result = {}
     if packing:
-        result["position_ids"], result["document_gap"] = per_document_gap(trainer)
+        result["position_ids"], result["document_gap"] = document_gap(
+            trainer.model, trainer.data_collator([trainer.train_dataset[0]]))
     trainer.train()
     result.update(history(trainer), eval_loss=trainer.evaluate()["eval_loss"])
     return result
