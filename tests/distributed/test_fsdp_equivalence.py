@@ -53,7 +53,9 @@ def test_matches_single_process(runs, world, case):
     assert ref["losses"][-1] != ref["losses"][0]  # the weights did move
     assert weights.keys() == ref_weights.keys()
     for key in ref_weights:
-        torch.testing.assert_close(weights[key], ref_weights[key], atol=1e-5, rtol=0, msg=key)
+        # AdamW divides by sqrt(v): where a gradient is tiny, matmul rounding (other per-rank shapes at 4 ranks)
+        # moves a weight by up to ~2e-5 after the run (measured: one element of 2048, the same on the commit before)
+        torch.testing.assert_close(weights[key], ref_weights[key], atol=1e-5 if world == 2 else 5e-5, rtol=0, msg=key)
     assert got["tied"] == ("tied" in case)
     assert got["generated"] == ref["generated"]
 
