@@ -3,9 +3,11 @@
 4 ranks with ep 2 (expert-FSDP 2) and ep 4 (expert-FSDP 1) equal one process, also with gradient accumulation,
 activation checkpointing, HSDP (2 replicas x dp_shard 2, ep 2) with foreach AdamW, and tp 2 x dp_shard 2 with
 ep 2 (the ep groups are the tp groups) and ep 4 (attention tensor-parallel, experts expert-parallel); each rank holds
-1/(ep x efsdp) of the experts' bytes; an ep 2 x fsdp 2 checkpoint resumes bit-identically on the same layout and
-within 1e-6 on 2 ranks without ep; save_model, a FULL_STATE_DICT checkpoint and `shardtrain merge` of a sharded
-one give normal transformers checkpoints (experts in the model's own (E, 2I, H) layout)."""
+1/(ep x efsdp) of the experts' bytes, also with fewer local experts than expert-FSDP ranks (2 experts at ep 2 on 4
+ranks: FSDP shards the experts' dim 1, as torchtitan does; a checkpoint of that layout resumes on 2 ranks without
+ep and its save_model loads with from_pretrained); an ep 2 x fsdp 2 checkpoint resumes bit-identically on the same
+layout and within 1e-6 on 2 ranks without ep; save_model, a FULL_STATE_DICT checkpoint and `shardtrain merge` of a
+sharded one give normal transformers checkpoints (experts in the model's own (E, 2I, H) layout)."""
 
 import json
 from pathlib import Path
@@ -17,6 +19,7 @@ from launch import REPO, assert_same_training, python, run_result, torchrun, wor
 WORKER = Path(__file__).parent / "workers" / "train_run.py"
 SHARDED = {"state_dict_type": "SHARDED_STATE_DICT"}
 MOE = {"model": "qwen3_moe", "weights": True}
+FEW = {"model": "qwen3_moe_2experts", "weights": True}  # 1 expert per ep rank, 2 expert-FSDP ranks
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,8 @@ def runs(tmp_path_factory):
     python(WORKER, json.dumps([
         {**MOE, "out": str(root / "ref"), "per_device_train_batch_size": 8, "generate": True},
         {**MOE, "out": str(root / "ref_accum"), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
-        {**MOE, "out": str(root / "ref_subclass"), "per_device_train_batch_size": 8, "subclass_compute_loss": True}]))
+        {**MOE, "out": str(root / "ref_subclass"), "per_device_train_batch_size": 8, "subclass_compute_loss": True},
+        {**FEW, "out": str(root / "ref_2experts"), "per_device_train_batch_size": 8}]))
     checkpoint = str(root / "ep2" / "checkpoint-5")
     torchrun(WORKER, 4, json.dumps([
         {**MOE, "out": str(root / "ep2"), "per_device_train_batch_size": 2, "ep_size": 2, "expert_bytes": True,
@@ -44,10 +48,15 @@ def runs(tmp_path_factory):
         {**MOE, "out": str(root / "ep2_hsdp_foreach"), "per_device_train_batch_size": 2, "ep_size": 2,
          "optim": "adamw_torch", "fsdp_config": {"sharding_strategy": "HYBRID_SHARD", "dp_shard_size": 2}},
         {"model": "qwen3_moe", "out": str(root / "ep2_resumed"), "per_device_train_batch_size": 2, "ep_size": 2,
-         "resume": checkpoint, "fsdp_config": SHARDED}]))
-    torchrun(WORKER, 2, json.dumps([{"model": "qwen3_moe", "out": str(root / "ep1_resumed"),
-                                     "per_device_train_batch_size": 4, "resume": checkpoint,
-                                     "fsdp_config": SHARDED}]))
+         "resume": checkpoint, "fsdp_config": SHARDED},
+        {**FEW, "out": str(root / "ep2_2experts"), "per_device_train_batch_size": 2, "ep_size": 2,
+         "expert_bytes": True, "save_strategy": "steps", "save_steps": 5, "fsdp_config": SHARDED,
+         "save_model": str(root / "ep2_2experts_model")}]))
+    torchrun(WORKER, 2, json.dumps([
+        {"model": "qwen3_moe", "out": str(root / "ep1_resumed"), "per_device_train_batch_size": 4,
+         "resume": checkpoint, "fsdp_config": SHARDED},
+        {"model": "qwen3_moe_2experts", "out": str(root / "ep1_2experts_resumed"), "per_device_train_batch_size": 4,
+         "resume": str(root / "ep2_2experts" / "checkpoint-5"), "fsdp_config": SHARDED}]))
     return root
 
 
@@ -62,7 +71,7 @@ def test_ep_with_accumulation_equals_one_process_with_the_same_micro_steps(runs)
     assert_same_training(runs, "ref_accum", "ep2_accum", tol=1e-5, weight_tol=1e-4)
 
 
-@pytest.mark.parametrize("name, ep, efsdp", [("ep2", 2, 2), ("ep4", 4, 1)])
+@pytest.mark.parametrize("name, ep, efsdp", [("ep2", 2, 2), ("ep4", 4, 1), ("ep2_2experts", 2, 2)])
 def test_each_rank_holds_its_share_of_the_experts(runs, name, ep, efsdp):
     per_rank = run_result(runs, name)["expert_bytes"]
     assert len(per_rank) == 4
@@ -70,6 +79,13 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name, ep, efsdp):
         share = rank["full_params"] / (ep * efsdp)
         assert rank["params"] == rank["grads"] == share
         assert rank["optimizer"] == 2 * share  # AdamW: exp_avg and exp_avg_sq
+
+
+def test_fewer_local_experts_than_expert_fsdp_ranks(runs):
+    assert_same_training(runs, "ref_2experts", "ep2_2experts", tol=1e-5, weight_tol=1e-4)
+    got = run_result(runs, "ep1_2experts_resumed")["losses"][5:]
+    assert got == pytest.approx(run_result(runs, "ep2_2experts")["losses"][5:], abs=1e-6, rel=0)
+    _assert_loads_as(runs / "ep2_2experts_model", runs / "ep2_2experts" / "weights.pt")
 
 
 def test_greedy_generation_under_ep_equals_one_process(runs):

@@ -3,7 +3,8 @@
 One launch per world size (2 and 4 ranks; `workers/sharded_save.py`) trains an untied and a tied tiny Llama and
 saves each with the default split (one `model.safetensors`), a small split (5 files + index) and the rank-0
 gather path; the tests check the files against the gathered weights, transformers' `save_pretrained` and
-`shardtrain merge`, and what each rank gathered.
+`shardtrain merge`, and what each rank gathered. FULL_STATE_DICT training checkpoints take the same path: written
+and read back by every rank (its slices), none gathering or reading the model whole, and the resume is exact.
 """
 
 import json
@@ -133,3 +134,20 @@ def test_no_rank_gathers_a_full_tensor(saved, model):
     assert split_files == [f"model-{i:05d}-of-00005.safetensors" for i in range(1, 6)]
     assert [name for record in records for name in record["single"]["consolidated"]] == [
         "model-00001-of-00001.safetensors"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_full_state_dict_checkpoints_are_written_and_read_by_every_rank(saved, model):
+    root, world = saved
+    records = [json.loads((root / model / f"rank{r}.json").read_text()) for r in range(world)]
+    for record in records:
+        for kind in ("full", "full_resumed"):
+            assert record[kind]["full_tensor_bytes"] == 0 and record[kind]["whole_reads"] == 0, (kind, record[kind])
+    checkpoint = root / model / "full" / "checkpoint-2"
+    files = [name for record in records for name in record["full"]["consolidated"]]
+    # checkpoint-2 and checkpoint-3 (the end of training, as Hugging Face saves), one file each, by one rank
+    assert files == ["model-00001-of-00001.safetensors"] * 2 and _weight_names(checkpoint) == [SINGLE_FILE]
+    loaded = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == (model == "llama_tied")
+    full, resumed = records[0]["full"]["losses"], records[0]["full_resumed"]["losses"]
+    assert len(full) == 3 and resumed[-1] == full[-1]  # step 3 after the resume: bit-identical

@@ -37,12 +37,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 try:  # torch >= 2.8 (pyproject allows 2.6): without them, save_model keeps the rank-0 path
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
     from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
 except ImportError:  # pragma: no cover - the tests' torch has both
-    HuggingFaceStorageWriter = _consolidate_safetensors_files = None
+    HuggingFaceStorageReader = HuggingFaceStorageWriter = _consolidate_safetensors_files = None
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -85,6 +86,21 @@ def unsupported(state: dict[str, torch.Tensor]) -> str | None:
         if not tensor.is_floating_point() or tensor.dim() == 0:
             return f"{key} is {tensor.dtype} with shape {tuple(tensor.shape)}"
     return None
+
+
+def distributed_state(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """`sharded_state(model)` when every rank can write and read its full-model files itself: the model is
+    sharded (DTensors) and torch's consolidation takes every tensor (`unsupported`); None: gather on rank 0."""
+    state = sharded_state(model)
+    if not any(isinstance(tensor, DTensor) for tensor in state.values()) or unsupported(state) is not None:
+        return None
+    return state
+
+
+def read_sharded_pretrained(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Fill `state` (`sharded_state`'s DTensor shards) from the safetensors files in `path`, each rank reading
+    only the slices of its shards (`safe_open(...).get_slice`: nothing is unpickled); collective."""
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
 
 
 def owned_files(weight_map: dict[str, str], rank: int, world_size: int) -> list[str]:

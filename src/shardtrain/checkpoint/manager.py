@@ -2,7 +2,9 @@
 
 Layout of `output_dir/checkpoint-<step>/`:
     config.json                     model config (what `merge` and `from_pretrained` need)
-    model.safetensors (+ index)     FULL_STATE_DICT: the gathered model, loadable by `from_pretrained`
+    model.safetensors (+ index)     FULL_STATE_DICT: the model, loadable by `from_pretrained`; a sharded model's
+                                    files are written and read by every rank (its shards; `hf_export`), others'
+                                    gathered on rank 0
     optimizer/                      FULL_STATE_DICT: optimizer state through DCP (one file per rank)
     sharded/                        SHARDED_STATE_DICT: model + optimizer through DCP (one file per rank)
     scheduler.json, trainer_state.json, rng_state_<rank>.pt
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardtrain.checkpoint.async_manager import AsyncSaveMixin
 from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
+from shardtrain.checkpoint.hf_export import distributed_state, read_sharded_pretrained, save_sharded_pretrained
 from shardtrain.checkpoint.layout import (  # noqa: F401 (PREFIX, SHARDED_DIR, ...: re-exported for the Trainer)
     BASE_FILE,
     MODEL_FILE,
@@ -180,9 +183,14 @@ class CheckpointManager(AsyncSaveMixin):
                 payload["optimizer"] = states.optimizer_state()
             dcp.save(payload, checkpoint_id=str(tmp / SHARDED_DIR))
         else:
-            full = states.full_model_state()
-            self._all_ok(lambda: write_full_checkpoint(full, tmp, None) if self.rank == 0 else None, tmp, step)
-            del full
+            if (shards := self._distributed_full()) is not None:  # every rank writes its part of the files
+                save_sharded_pretrained(self.model, tmp, None, rank=self.rank, world_size=dist.get_world_size(),
+                                        state=shards, agree=lambda problem: self._agree(problem, tmp, step))
+            else:
+                full = states.full_model_state()
+                self._all_ok(lambda: write_full_checkpoint(full, tmp, None) if self.rank == 0 else None, tmp, step)
+                del full
+            del shards
             if with_optim:
                 dcp.save({"optimizer": states.optimizer_state()}, checkpoint_id=str(tmp / OPTIMIZER_DIR))
         fault_point("after_model", step)
@@ -219,6 +227,22 @@ class CheckpointManager(AsyncSaveMixin):
         _fsync(self.output_dir)
         fault_point("before_rotate", step)
         self._rotate(keep=keep)
+
+    def _distributed_full(self) -> dict[str, torch.Tensor] | None:
+        """FULL_STATE_DICT's model files written and read by every rank, none holding the model whole
+        (`hf_export`): this rank's shards, or None where they are gathered on rank 0 (adapters only, XLA, an
+        unsharded model, non-float states)."""
+        if self.state_access is not TorchStates or self.frozen_base is not None:
+            return None
+        return distributed_state(self.model)
+
+    def _agree(self, problem: str | None, tmp: Path, step: int) -> None:
+        """Collective: raise the same error on every rank if any rank passed a `problem`."""
+        def fail() -> None:
+            if problem is not None:
+                raise CheckpointError(problem)
+
+        self._all_ok(fail, tmp, step)
 
     def _all_ok(self, work: Any, tmp: Path, step: int) -> None:
         """Run `work` (None: nothing on this rank), then agree across ranks that it worked everywhere.
@@ -392,9 +416,15 @@ class CheckpointManager(AsyncSaveMixin):
 
     def _load_full(self, path: Path, load_optim: bool) -> None:
         states = self.states()
-        full = read_full_checkpoint(path) if self.rank == 0 else {}
-        states.load_full_model_state(full)
-        del full
+        if (shards := self._distributed_full()) is not None:  # each rank reads its slices of the files
+            read_sharded_pretrained(shards, path)
+            tied = {alias: shards[name] for alias, name in states.tied_aliases().items()}
+            states.load_model_state({**shards, **tied})
+            del shards
+        else:
+            full = read_full_checkpoint(path) if self.rank == 0 else {}
+            states.load_full_model_state(full)
+            del full
         if load_optim:
             if not (path / OPTIMIZER_DIR).is_dir():
                 raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.tensor import Shard
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import FSDPConfigError
@@ -162,6 +164,18 @@ def reshard_all(model: nn.Module) -> None:
         module.reshard()
 
 
+def expert_shard_placement(experts: nn.Module, expert_mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard] | None:
+    """How FSDP shards an experts module's fused weights over the expert-FSDP mesh: dim 0 (FSDP's default) while
+    every shard gets at least one of this rank's experts, else dim 1 (torchtitan's rule). With more efsdp ranks
+    than local experts, a dim-0 split leaves some ranks whole experts and others none (Qwen3-235B-A22B at ep 8 on
+    512 ranks: 16 local experts over 64 efsdp ranks, 48 ranks with nothing and rank 0 at 4x its share)."""
+    shard_ranks = expert_mesh.size(expert_mesh.ndim - 1)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in experts.parameters()]
+    if all(t.ndim < 2 or t.shape[0] >= shard_ranks for t in local):
+        return None
+    return lambda param: Shard(1) if param.ndim >= 2 else Shard(0)
+
+
 def apply_fsdp(
     model: nn.Module,
     fsdp_config: FSDPConfig | None = None,
@@ -232,7 +246,7 @@ def apply_fsdp(
         if expert_mesh is None:
             raise ValueError("apply_fsdp: the model has expert-parallel experts (apply_ep); pass expert_mesh")
         fully_shard(experts, reshard_after_forward=config.reshard_after_forward,
-                    **{**common, "mesh": expert_mesh})
+                    shard_placement_fn=expert_shard_placement(experts, expert_mesh), **{**common, "mesh": expert_mesh})
         if expert_grad_divide_factor is None:
             continue
         if expert_mesh.size(expert_mesh.ndim - 1) > 1:

@@ -20,8 +20,9 @@ ranks) and the file layout that the save code itself computes (`plan_weight_file
   tensor's buffer is allocated while the previous tensor and its last piece are still referenced, and each read
   while the previous piece is. Both phases are host memory.
 * checkpoints: SHARDED_STATE_DICT writes the shard (DCP, one tensor at a time staged to the host from a
-  device); FULL_STATE_DICT gathers the model to rank 0 (`get_model_state_dict(full_state_dict=True,
-  cpu_offload=True)`: rank 0 the whole model + one gathered tensor, the others two copies of a gathered tensor).
+  device); FULL_STATE_DICT writes the model files as `save_model` does (`CheckpointManager` calls the same
+  `save_sharded_pretrained`; a LoRA adapter, the XLA backend and non-float states are still gathered to rank 0)
+  and then the optimizer's shards like SHARDED_STATE_DICT.
 Checked against `benchmarks/sharded_load.json` and `benchmarks/sharded_save.json` (`benchmarks/plan_lifecycle.py`).
 """
 
@@ -202,11 +203,12 @@ def lifecycle_rows(layout: list[TensorLayout], *, world_size: int, target: str, 
         row("checkpoint: SHARDED_STATE_DICT", where(training_state, staged), where(training_state, staged),
             "the shard, one tensor at a time to the files", state_dict_type == "SHARDED_STATE_DICT",
             training_state=training_state, staged_tensor=staged),
-        # get_model_state_dict(full_state_dict=True, cpu_offload=True): all-gather where the parameters live,
-        # rank 0 keeps each full tensor on the host
-        row("checkpoint: FULL_STATE_DICT", (training_state + full + biggest, 0) if on_host else
-            (full, training_state + 2 * biggest), where(training_state + 2 * biggest),
-            "model gathered to rank 0 (+ the optimizer as DCP shards)", state_dict_type == "FULL_STATE_DICT",
-            training_state=training_state, full_model=full, largest_tensor=biggest),
+        # the model files as save_model writes them (every rank its part), then the optimizer as DCP shards
+        row("checkpoint: FULL_STATE_DICT", where(training_state, max(rank0_save, staged)),
+            where(training_state, max(other_save, staged)),
+            "model files written by every rank, as save_model (+ the optimizer as DCP shards)",
+            state_dict_type == "FULL_STATE_DICT", training_state=training_state, staging=save["staging"],
+            consolidation_rank0=save["consolidation_rank0"], consolidation_others=save["consolidation_others"],
+            staged_tensor=staged),
     ]
     return rows

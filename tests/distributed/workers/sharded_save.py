@@ -4,9 +4,11 @@ torchrun --nproc_per_node N sharded_save.py OUT SPLIT_BYTES
 For "llama" (vocab 66: uneven shards over 4 ranks) and "llama_tied": 2 training steps with a sharded checkpoint
 at step 2, then rank 0 writes OUT/<model>/weights.pt (the gathered reference), and save_model writes
 OUT/<model>/{single (default split), split (SPLIT_BYTES per file), gather (the rank-0 path, SPLIT_BYTES),
-resave (split, then single into the same directory, then a split save that fails on the last rank)}.
+resave (split, then single into the same directory, then a split save that fails on the last rank)}; then a
+FULL_STATE_DICT run writes OUT/<model>/full/checkpoint-2 and another resumes from it (OUT/<model>/full_resumed).
 Each rank writes OUT/<model>/rank<r>.json: bytes of full tensors it gathered (DTensor.redistribute to Replicate) during
-each save, and the files it consolidated.
+each save (and during the FULL_STATE_DICT run and its resume), the files it consolidated, and how often it read a
+whole full checkpoint (`read_full_checkpoint`, the rank-0 load path).
 """
 
 import json
@@ -18,11 +20,12 @@ from tiny_models import tiny_llama, variable_length_dataset
 from torch.distributed.tensor import DTensor
 
 import shardtrain.checkpoint.hf_export as hf_export
+import shardtrain.checkpoint.manager as manager
 from shardtrain import Trainer, TrainingArguments, destroy_distributed
 from shardtrain.checkpoint.model_state import full_model_state
 from shardtrain.errors import OutputDirError
 
-COUNTS = {"full_tensor_bytes": 0, "consolidated": []}
+COUNTS = {"full_tensor_bytes": 0, "consolidated": [], "whole_reads": 0}
 
 
 def _count_gathers(original):
@@ -40,6 +43,30 @@ def _record_consolidation(original):
         COUNTS["consolidated"].extend(sorted(set(fqn_to_file_mapping.values())))
         return original(fqn_to_file_mapping=fqn_to_file_mapping, **kwargs)
     return consolidate
+
+
+def _record_whole_reads(original):
+    def read_full_checkpoint(*args, **kwargs):
+        COUNTS["whole_reads"] += 1
+        return original(*args, **kwargs)
+    return read_full_checkpoint
+
+
+def _full_checkpoint_runs(name: str, out: Path) -> dict:
+    """Train 3 steps with FULL_STATE_DICT checkpoints (one at step 2), then resume from checkpoint-2 in a new
+    Trainer; what each did gather or read whole."""
+    record = {}
+    for kind, resume in (("full", None), ("full_resumed", str(out / "full" / "checkpoint-2"))):
+        COUNTS.update(full_tensor_bytes=0, consolidated=[], whole_reads=0)
+        args = TrainingArguments(output_dir=str(out / kind), fsdp=True, per_device_train_batch_size=4, max_steps=3,
+                                 learning_rate=1e-2, save_strategy="steps", save_steps=2, disable_tqdm=True,
+                                 logging_steps=1, fsdp_config={"state_dict_type": "FULL_STATE_DICT"})
+        trainer = Trainer(tiny_llama(tie=name == "llama_tied", vocab=66), args,
+                          train_dataset=variable_length_dataset(n=32))
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        record[kind] = {**json.loads(json.dumps(COUNTS)), "losses": losses}
+    return record
 
 
 def _failing_save(trainer, out: Path, split: int) -> str | None:
@@ -64,6 +91,7 @@ def main() -> None:
     root, split = Path(sys.argv[1]), int(sys.argv[2])
     DTensor.redistribute = _count_gathers(DTensor.redistribute)
     hf_export._consolidate_safetensors_files = _record_consolidation(hf_export._consolidate_safetensors_files)
+    manager.read_full_checkpoint = _record_whole_reads(manager.read_full_checkpoint)
     for name in ("llama", "llama_tied"):
         out = root / name
         model = tiny_llama(tie=name == "llama_tied", vocab=66)
@@ -85,6 +113,7 @@ def main() -> None:
         trainer.save_model(str(out / "resave"), _max_shard_bytes=split)  # then one file over the split layout
         trainer.save_model(str(out / "resave"))
         record["failed"] = _failing_save(trainer, out / "resave", split)
+        record.update(_full_checkpoint_runs(name, out))
         (out / f"rank{trainer.rank}.json").write_text(json.dumps(record))
     destroy_distributed()
 

@@ -17,7 +17,7 @@ compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and
 from a fixed prompt after training go to result.json), "expert_bytes" (each rank's expert parameter, gradient
 and optimizer bytes at step 2 go to result.json), "subclass_compute_loss" (a Trainer subclass overriding
 compute_loss with a call to super()), "vocab" (the tiny Llama's vocabulary size; its data draws from it).
-Models: "qwen3_moe" is a tiny Qwen3-MoE with its load-balancing loss on.
+Models: "qwen3_moe" is a tiny Qwen3-MoE with its load-balancing loss on ("qwen3_moe_2experts": 2 experts).
 Rank 0 writes OUT/result.json.
 """
 
@@ -62,6 +62,8 @@ def build(name: str, seed: int = 0, vocab: int = 64):
         return tiny_qwen2(), None
     if name == "qwen3_moe":
         return tiny_qwen3_moe(), None
+    if name == "qwen3_moe_2experts":
+        return tiny_qwen3_moe(experts=2), None
     return tiny_llama(seed=seed, tie=name == "llama_tied", vocab=vocab), None
 
 
