@@ -11,7 +11,12 @@ Writes a Llama-shaped model once (`--size big`: hidden 2048, 3 layers, vocab 320
   * `sharded`: every rank builds the model on the meta device, FSDP2 shards it, and each rank reads only the
     rows of its shards from the safetensors files (DCP's `HuggingFaceStorageReader`);
   * `rank0`: rank 0 reads the whole model with `from_pretrained`, the others build on meta and receive a
-    broadcast (`set_model_state_dict(broadcast_from_rank0=True)`): the path for non-safetensors sources.
+    broadcast (`set_model_state_dict(broadcast_from_rank0=True)`): the path for non-safetensors sources;
+  * `meta_object`: a script's own `from_pretrained(path, device_map="meta")` on every rank (reads nothing), then
+    what the Trainer does with such a model object (`meta_source` -> `apply_fsdp` -> `read_from_source`: each
+    rank reads its shards from the directory the model names);
+  * `every_rank`: a script's plain `from_pretrained(path)` on every rank, then `apply_fsdp` (the model object
+    the Trainer warns about: transformers reads every weight on each rank).
 
 Per rank: peak resident set growth during the load (VmHWM reset at the baseline through /proc/self/clear_refs,
 so the import-time peak does not hide it) and its resident growth afterwards, next to the bound the issue
@@ -32,7 +37,7 @@ SIZES = {  # hidden, intermediate, layers, vocab, heads, kv heads
     "big": (2048, 5632, 3, 32000, 16, 8),
     "small": (256, 688, 2, 8000, 4, 2),
 }
-MODES = ("sharded", "rank0")
+MODES = ("sharded", "rank0", "meta_object", "every_rank")
 
 
 def _status_kib(field: str) -> int:
@@ -86,9 +91,22 @@ def worker(cli: argparse.Namespace) -> None:
     dist.barrier()
     _reset_peak()
     baseline = _status_kib("VmRSS")
-    model = load_pretrained(cli.path, FSDPConfig.load({"cpu_ram_efficient_loading": True,
-                                                       "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}),
-                            read=cli.mode)
+    config = FSDPConfig.load({"cpu_ram_efficient_loading": True,
+                              "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    if cli.mode in ("sharded", "rank0"):
+        model = load_pretrained(cli.path, config, read=cli.mode)
+    else:
+        from transformers import LlamaForCausalLM
+
+        from shardtrain.parallel.fsdp import apply_fsdp
+        from shardtrain.parallel.loading import meta_source, read_from_source
+
+        meta = cli.mode == "meta_object"
+        model = LlamaForCausalLM.from_pretrained(cli.path, **({"device_map": "meta"} if meta else {}))
+        source = meta_source(model) if meta else None
+        apply_fsdp(model, config)
+        if meta:
+            read_from_source(model, *source, torch.device("cpu"))
     peak, after = _status_kib("VmHWM"), _status_kib("VmRSS")
     local_bytes = sum(p.to_local().numel() * 4 for p in model.parameters() if isinstance(p, DTensor))
     # this rank's shards equal the files' bytes (reads only this rank's rows again)

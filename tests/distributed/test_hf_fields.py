@@ -45,3 +45,14 @@ def test_batch_eval_metrics_accumulates_over_every_batch_of_every_rank(runs):
     assert hf["rows"] == one["rows"] == two["rows"] == 12  # every eval sample, once
     assert one["accuracy"] == hf["accuracy"] == two["accuracy"]
     assert hf["tensors"] == one["tensors"] == two["tensors"] == 1.0  # batches arrive as tensors, as under HF
+
+
+def test_include_for_metrics_inputs_gives_the_rows_hugging_face_gives(runs):
+    """EvalPrediction.inputs: the eval rows in dataset order, as under transformers (its padding, which depends on
+    the batches, aside), on one process and on two ranks."""
+    hf, one, two = (read_json(runs / run / "inputs_metrics.json") for run in ("hf", "ours1", "ours2"))
+    assert hf["input_rows"] == 4 and hf["input_tokens"] == 3 + 4 + 5 + 6
+    for got in (one, two):
+        assert (got["input_rows"], got["input_tokens"], got["input_sums"]) == \
+            (hf["input_rows"], hf["input_tokens"], hf["input_sums"])
+    assert one["eval_loss"] == pytest.approx(hf["eval_loss"], abs=1e-5)

@@ -63,8 +63,19 @@ def test_model_object_built_on_meta_takes_rank0_weights(model_runs):
         assert run["keys"] and run["losses"] == path["losses"] and run["max_weight_diff"] == 0.0
     assert len(path["warnings"]) == 1 and "each rank read its shards" in path["warnings"][0]
     assert meta["warnings"] == []
-    assert len(loaded["warnings"]) == 1 and "saved no memory" in loaded["warnings"][0]
-    assert "Trainer(model=PATH)" in loaded["warnings"][0]
+    assert len(loaded["warnings"]) == 1 and "was not applied" in loaded["warnings"][0]
+    assert "Trainer(model=DIR)" in loaded["warnings"][0] and "device_map='meta'" in loaded["warnings"][0]
+
+
+def test_model_object_built_on_meta_everywhere_reads_the_shards_of_its_directory(model_runs):
+    """transformers' own `from_pretrained(DIR, device_map="meta")` reads no weight on any rank; the Trainer then
+    reads each rank's shards from DIR, and training equals the path bit for bit."""
+    path, named = model_runs["path"], model_runs["device_map_meta"]
+    assert named["on_meta"] and named["keys"]
+    assert named["losses"] == path["losses"] and named["max_weight_diff"] == 0.0
+    assert len(named["warnings"]) == 1 and "each rank read its shards" in named["warnings"][0]
+    error = model_runs["meta_unnamed_error"]
+    assert "on the meta device on every rank" in error and "device_map='meta'" in error, error
 
 
 def test_path_under_tensor_parallel_reads_its_2d_shards(model_runs):

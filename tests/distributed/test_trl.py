@@ -16,7 +16,7 @@ def runs(tmp_path_factory):
     return reference_and_two_ranks(WORKER, tmp_path_factory.mktemp("trl"), "trl")
 
 
-@pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo", "dpo_path"])
+@pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo", "dpo_path", "dpo_path_meta"])
 def test_two_ranks_equal_trl_on_one_process(runs, case):
     ours, ref = read_json(runs / "ours" / f"{case}.json"), read_json(runs / "trl" / f"{case}.json")
     assert len(ours["losses"]) == len(ref["losses"]) >= 3
@@ -35,9 +35,16 @@ def test_packed_rows_keep_documents_apart(runs):
     assert packed["document_gap"] < 1e-5  # a document's logits are those it has alone
 
 
-@pytest.mark.parametrize("case", ["dpo", "dpo_path"])
+@pytest.mark.parametrize("case", ["dpo", "dpo_path", "dpo_path_meta"])
 def test_dpo_reference_model_is_sharded(runs, case):
     assert read_json(runs / "ours" / f"{case}.json")["ref_sharded"] is True
+
+
+def test_models_trl_loads_by_path_are_built_on_meta_and_read_by_shards(runs):
+    """cpu_ram_efficient_loading: TRL's from_pretrained of the policy and of the reference model reads nothing
+    (device_map="meta"); each rank reads its shards of both; the user's model_init_kwargs are left as they were."""
+    got = read_json(runs / "ours" / "dpo_path_meta.json")
+    assert got["read_into_meta"] == 2 and got["model_init_kwargs"] is None
 
 
 def test_missing_extra_names_it(tmp_path):

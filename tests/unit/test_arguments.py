@@ -43,6 +43,7 @@ from shardtrain import TrainingArguments, TrainingArgumentsError
     ({"label_smoothing_factor": 0.1, "loss_chunk_size": 64}, ["label_smoothing_factor", "loss_chunk_size"]),
     ({"tf32": True}, ["tf32"]),
     ({"optim": "adafactor"}, ["optim", "sgd", "elementwise"]),
+    ({"include_for_metrics": ["inputs", "loss"]}, ["include_for_metrics", "'loss'", "micro-batch mean"]),
 ])
 def test_bad_arguments_name_the_field(tmp_path, kwargs, fragments):
     with pytest.raises(TrainingArgumentsError) as err:

@@ -23,8 +23,11 @@ from shardtrain.checkpoint.state_access import TorchStates
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_fsdp
-from shardtrain.parallel.loading import fill_from_rank0, has_meta_tensors
+from shardtrain.parallel.loading import fill_from_rank0, has_meta_tensors, meta_source, read_from_source
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
+
+# where a model object's weights come from (`TrainingBackend._weight_source`; else a directory and its read plan)
+IN_MODEL, RANK0 = "in_model", "rank0"
 
 
 def apply_parallelism(model: nn.Module, meshes: Any, dims: Any, fsdp_config: Any, *,
@@ -109,40 +112,56 @@ class TrainingBackend:
                     "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
                     "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
             return model
-        on_meta = has_meta_tensors(model)
-        from_rank0 = args.fsdp_config.cpu_ram_efficient_loading and self._weights_from_rank0(on_meta)
-        full_state = model.state_dict() if from_rank0 and self.rank == 0 else {}  # the unsharded tensors
-        if not on_meta:
+        source = self._weight_source(model, args.fsdp_config.cpu_ram_efficient_loading)
+        full_state = model.state_dict() if source == RANK0 and self.rank == 0 else {}  # the unsharded tensors
+        if not has_meta_tensors(model):
             model.to(self.device)
         apply_parallelism(model, meshes, dims, args.fsdp_config, tp_plan=args.tp_plan,
                           mixed_precision=args.mixed_precision, compile_options=compile_options)
-        if from_rank0:
+        if isinstance(source, tuple):  # every rank reads its shards from the directory
+            read_from_source(model, *source, self.device)
+        elif source == RANK0:
             fill_from_rank0(model, full_state, self.device)
         return model
 
-    def _weights_from_rank0(self, on_meta: bool) -> bool:
-        """`cpu_ram_efficient_loading` with a model object (`on_meta`: this rank's has meta tensors): whether
-        ranks > 0 built it on the meta device and take rank 0's weights (collective). A model loaded in full on
-        every rank is kept, with a warning."""
+    def _weight_source(self, model: nn.Module, rank0_loading: bool) -> Any:
+        """Where a model object's weights come from (collective): `IN_MODEL` (every rank holds them), `RANK0`
+        (`cpu_ram_efficient_loading`: ranks > 0 built it on the meta device and take rank 0's weights), or
+        (directory, read plan) when every rank built it on the meta device (`from_pretrained(PATH,
+        device_map="meta")`): each rank reads its shards from that directory. A model loaded in full on every
+        rank under `cpu_ram_efficient_loading` is kept, with a warning."""
         from shardtrain.errors import TrainingArgumentsError
 
-        if self.world_size == 1:
-            return False
-        flags = self.all_gather(torch.tensor([float(on_meta)], device=self.device))
+        on_meta = has_meta_tensors(model)
+        flags = [torch.tensor(float(on_meta))] if self.world_size == 1 else \
+            self.all_gather(torch.tensor([float(on_meta)], device=self.device))
+        if all(flag.item() for flag in flags):
+            source = meta_source(model)
+            if isinstance(source, str):
+                raise TrainingArgumentsError(
+                    f"the model is on the meta device on every rank, but its weights cannot be read: {source}. "
+                    "Build it with from_pretrained(DIR, device_map='meta') from a local directory of safetensors, "
+                    "or pass the directory as Trainer(model=DIR)")
+            return source
         if flags[0].item():
             raise TrainingArgumentsError(
-                "fsdp_config 'cpu_ram_efficient_loading': rank 0's model is on the meta device, but rank 0 must hold "
-                "the weights the other ranks receive; load the model for real on rank 0 (or pass its directory as "
-                "Trainer(model=PATH), which every rank then reads its shards of)")
+                "the model is on the meta device on rank 0 but not on every rank: rank 0 must hold the weights the "
+                "other ranks receive (fsdp_config 'cpu_ram_efficient_loading'); load it for real on rank 0, build "
+                "it with from_pretrained(DIR, device_map='meta') on every rank, or pass Trainer(model=DIR)")
         if any(flag.item() for flag in flags[1:]):
-            return True
-        if self.rank == 0:
+            if not rank0_loading:
+                raise TrainingArgumentsError(
+                    "the model is on the meta device on some ranks > 0: set fsdp_config 'cpu_ram_efficient_loading' "
+                    "to true so that they receive rank 0's weights")
+            return RANK0
+        if rank0_loading and self.world_size > 1 and self.rank == 0:
             warnings.warn(
-                "fsdp_config 'cpu_ram_efficient_loading' saved no memory: the model was passed already loaded on "
-                "every rank (transformers' from_pretrained reads every weight on each rank). Pass the model's "
-                "directory as Trainer(model=PATH) so that each rank reads only its shards, or build the model on "
-                "the meta device on ranks > 0 (they then receive rank 0's weights)", stacklevel=3)
-        return False
+                "fsdp_config 'cpu_ram_efficient_loading' was not applied: the model was passed already loaded on "
+                "every rank (transformers' from_pretrained loads every weight on each rank; on an accelerator each "
+                "rank then moves the whole model to its device before it is sharded). Load it with "
+                "from_pretrained(DIR, device_map='meta') (it reads nothing; each rank then reads only its shards) "
+                "or pass the directory as Trainer(model=DIR)", stacklevel=3)
+        return IN_MODEL
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

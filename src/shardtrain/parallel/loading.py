@@ -11,6 +11,10 @@ Non-persistent buffers (rotary `inv_freq`, BERT's `position_ids`) are then initi
 `initialize_weights` with the loaded parameters marked done, which is how `from_pretrained` itself fills them
 after building on meta.
 
+A model object built on the meta device by every rank (`from_pretrained(PATH, device_map="meta")`, which reads
+nothing; TRL's by-path loading under `cpu_ram_efficient_loading`) is read the same way from the directory it names
+(`meta_source`): the backend parallelises it and each rank reads its slices.
+
 Other sources (pickled `.bin` weights, conversions other than stacking and concatenation) keep the rank-0
 path: only rank 0 reads the weights, the other ranks build on meta, and the weights arrive by broadcast. Tied
 weights stay one parameter on both paths.
@@ -68,7 +72,7 @@ def _meta_model(cls: type, hf_config: Any) -> nn.Module:
         return cls._from_config(hf_config, dtype=torch.float32)
 
 
-def _read_shards(model: nn.Module, path: Path, plan: ReadPlan, device: torch.device) -> ReadStats:
+def read_shards(model: nn.Module, path: Path, plan: ReadPlan, device: torch.device) -> ReadStats:
     """Fill the (meta, parallelised) `model` from the safetensors in `path`: each rank its own slices."""
     model.to_empty(device=device)
     state = model.state_dict()
@@ -84,10 +88,46 @@ def _read_shards(model: nn.Module, path: Path, plan: ReadPlan, device: torch.dev
         loaded = [*model.parameters(), *(b for name, b in model.named_buffers() if name in keys)]
         for tensor in loaded:
             tensor._is_hf_initialized = True
+        # a module that from_pretrained (device_map="meta") marked as done would be skipped whole, buffers included
+        done = [module for module in model.modules() if getattr(module, "_is_hf_initialized", False)]
+        for module in done:
+            module._is_hf_initialized = False
         model.initialize_weights()
         for tensor in loaded:
             del tensor._is_hf_initialized
+        for module in done:
+            module._is_hf_initialized = True
     return stats
+
+
+def meta_source(model: nn.Module) -> tuple[Path, ReadPlan] | str:
+    """Where a model built on the meta device reads its weights, each rank only its shards: the local directory
+    it names (`from_pretrained(PATH, device_map="meta")` keeps PATH as `name_or_path`, reading nothing) and
+    transformers' read plan for its safetensors; otherwise a sentence saying why not.
+
+    Args:
+        model: on the meta device, before any sharding (global shapes).
+    """
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not name:
+        return "it names no directory (name_or_path is empty)"
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        return f"its name_or_path {str(name)!r} is not a local model directory (download it and pass the directory)"
+    if HuggingFaceStorageReader is None:
+        return f"torch {torch.__version__} has no HuggingFaceStorageReader"
+    index = safetensors_index(path)
+    if not index:
+        return f"{path} has no *.safetensors files"
+    plan, why = plan_read(model, index)
+    return (path, plan) if plan is not None else f"{path}: {why}"
+
+
+def read_from_source(model: nn.Module, path: Path, plan: ReadPlan, device: torch.device) -> None:
+    """`read_shards` for a model object built on the meta device by every rank (`meta_source`'s directory)."""
+    read_shards(model, path, plan, device)
+    logger.info("%s: each rank read its shards of %d tensors into the meta-device model that names it", path,
+                len(plan.dense) + len(plan.fused))
 
 
 def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_class: type | None = None,
@@ -140,7 +180,7 @@ def load_pretrained(path: str | Path, fsdp_config: FSDPConfig | None, *, model_c
         plan, why = plan_read(model, index)
         if plan is not None:
             parallelize(model)
-            stats = _read_shards(model, path, plan, device)
+            stats = read_shards(model, path, plan, device)
             fused_sources = sum(len(keys) for target in plan.fused.values() for keys in target.sources.values())
             fused = (f"; {len(plan.fused)} fused from {fused_sources} checkpoint tensors, of which rank "
                      f"{dist.get_rank()} read {len(stats.keys)} ({stats.bytes} bytes)" if plan.fused else "")

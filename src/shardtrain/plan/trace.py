@@ -1,11 +1,11 @@
 """One Trainer step, traced on rank 0 of a fake process group with fake tensors: what each rank holds, when.
 
-The model is built, context-parallelised and sharded by shardtrain's own code (`apply_fsdp`, `build_optimizer`,
-`LossComputer`, `normalize_and_clip_grads`), as `Trainer` does, but every tensor is a `FakeTensor` and every
-collective goes to PyTorch's fake process group. Step 1 runs untraced (it creates AdamW's state); step 2 runs
-under PyTorch's `FSDPMemTracker` (one wrapper fixed, see `_tracker`), which labels every live storage
-(sharded/unsharded parameters, gradients, optimizer state, activations, all-gather and reduce-scatter buffers)
-and keeps the peak; for gloo, its reduce-scatter's input clone is added (`GlooCopies`). Step 1 also runs under
+The model is built, context-parallelised and sharded by shardtrain's own code (`apply_parallelism`,
+`build_optimizer`, `LossComputer`) and stepped by the Trainer's own `StepRunner`, but every tensor is a `FakeTensor`
+and every collective goes to PyTorch's fake process group. Step 1 runs untraced (it creates AdamW's state); step 2
+runs under PyTorch's `FSDPMemTracker` (one wrapper fixed, see `_tracker`), which labels every live storage
+(sharded/unsharded parameters, gradients, optimizer state, activations, all-gather and reduce-scatter buffers) and
+keeps the peak; for gloo, its reduce-scatter's input clone is added (`GlooCopies`). Step 1 also runs under
 `FlopCounterMode` and a collective counter (for the step time); see `trace_modes`. LoRA adapters are added to the
 meta-device model before it becomes fake (`with_adapters`).
 
@@ -256,7 +256,8 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
 
     from shardtrain.train.chunked_loss import resolve_chunk_size
     from shardtrain.train.loss import LossComputer
-    from shardtrain.train.optim import build_optimizer, normalize_and_clip_grads
+    from shardtrain.train.optim import build_optimizer
+    from shardtrain.train.step_runner import StepRunner
 
     if dist.is_initialized():
         raise PlanError("shardtrain.plan() runs its own fake process group; call it before init_distributed() (or "
@@ -274,27 +275,26 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             loss = LossComputer(model, torch.device("cpu"), chunk_size=chunk)
             vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
             batch = _batch(setup, vocab, cp)
-            divisor = setup.per_device_batch * setup.dims.batch_size * setup.gradient_accumulation_steps
+            samples = setup.per_device_batch * setup.dims.batch_size * setup.gradient_accumulation_steps
             # Gradient accumulation as the Trainer does it: no reduce-scatter before the last micro-batch, so the
             # unsharded gradients stay; memory repeats after the second micro-batch, which is all we trace.
             micro = min(setup.gradient_accumulation_steps, 2)
+            runner = StepRunner(model=model, dims=setup.dims, max_grad_norm=setup.max_grad_norm, sharded=True)
+
+            def optimizer_step() -> None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
             def step(after_loss: Callable[[], None] | None = None,
                      between: Callable[[], None] | None = None) -> None:
-                for index in range(micro):
-                    if micro > 1:
-                        model.set_requires_gradient_sync(index == micro - 1)
-                    if index and between is not None:
-                        between()
+                def micro_step(index: int, batch: dict[str, Any]) -> None:
                     loss_sum = loss(batch)
                     if after_loss is not None and index == 0:
                         after_loss()
-                    (loss_sum / divisor).backward()
-                normalize_and_clip_grads(model.parameters(), loss.local_counts([batch] * micro),
-                                         divisor * setup.dims.grad_average_size, setup.max_grad_norm,
-                                         setup.dims.world_size, count_copies=setup.dims.tp)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                    (loss_sum / samples).backward()
+
+                runner.run([batch] * micro, micro_step, loss.local_counts([batch] * micro), samples,
+                           optimizer_step=optimizer_step, between=between)
 
             counter = CollectiveCounter()
             with flop_counter() as flops, counter:

@@ -56,7 +56,7 @@ IMPLEMENTED_HF = frozenset({
     "ddp_timeout", "parallelism_config", "torch_compile", "torch_compile_backend", "torch_compile_mode",
     "label_smoothing_factor", "neftune_noise_alpha", "logging_nan_inf_filter", "enable_jit_checkpoint", "tf32",
     "torch_empty_cache_steps", "use_cache", "average_tokens_across_devices", "run_name", "project",
-    "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "batch_eval_metrics",
+    "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "batch_eval_metrics", "include_for_metrics",
 })
 
 
@@ -444,6 +444,9 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.neftune_noise_alpha and (self.cp_size > 1 or self.tp_size > 1):
             self._fail("neftune_noise_alpha", "scales its noise by the sequence length and hidden size each rank "
                        "sees, which context and tensor parallelism split; use it with cp_size = tp_size = 1")
+        if set(self.include_for_metrics or []) - {"inputs"}:
+            self._fail("include_for_metrics", f"= {self.include_for_metrics!r}: only 'inputs' is supported; 'loss' "
+                       "is each rank's micro-batch mean, which depends on how the global batch is split; drop it")
         if self.label_smoothing_factor and self.loss_chunk_size:
             self._fail("label_smoothing_factor", "is not implemented with loss_chunk_size yet; unset one of them")
         if self.cp_size > 1 and self.tp_size > 1:

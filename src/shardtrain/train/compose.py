@@ -9,12 +9,19 @@
 first and call up into shardtrain's Trainer where they call Hugging Face's, so the training loop, FSDP2,
 checkpoints and the exact global-token loss are shardtrain's. `arguments_on_engine(C)` is the matching
 `@dataclass class C(C, shardtrain.TrainingArguments)`: C's fields and defaults with shardtrain's checks.
+With `cpu_ram_efficient_loading`, a model the library loads from a local directory is built on the meta device
+and each rank reads only its shards (`loads_on_meta`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import transformers
@@ -34,8 +41,10 @@ def on_engine(trainer_cls: type) -> type:
 
     @functools.wraps(trainer_cls.__init__)
     def __init__(self: Trainer, *args: Any, **kwargs: Any) -> None:
-        trainer_cls.__init__(self, *args, **kwargs)
-        self._parallelize_side_models()  # e.g. DPO's reference model, built by the library's __init__
+        given = inspect.signature(trainer_cls.__init__).bind_partial(self, *args, **kwargs).arguments
+        with loads_on_meta(given.get("model"), given.get("args"), given.get("peft_config")):
+            trainer_cls.__init__(self, *args, **kwargs)
+            self._parallelize_side_models()  # e.g. DPO's reference model, built by the library's __init__
 
     # a library's own arguments class (sentence-transformers' `training_args_class`) becomes the engine's too
     arguments = {name: arguments_on_engine(value) for klass in reversed(trainer_cls.__mro__)
@@ -46,6 +55,27 @@ def on_engine(trainer_cls: type) -> type:
         "labels_from_inputs": False,
         "__doc__": f"{trainer_cls.__name__} on shardtrain's FSDP2 engine (shardtrain.on_engine).\n\n"
                    f"{trainer_cls.__doc__ or ''}"})
+
+
+@contextlib.contextmanager
+def loads_on_meta(model: Any, args: Any, peft_config: Any) -> Iterator[None]:
+    """While a library's `__init__` runs: a model it loads by path (TRL's `create_model_from_path` with
+    `args.model_init_kwargs`, the policy and DPO's reference model alike) is built on the meta device, reading
+    nothing, when `cpu_ram_efficient_loading` asks for it and the path is a local directory of safetensors; the
+    backend then reads each rank's shards from that directory. The user's `model_init_kwargs` are restored after.
+    Not with `peft_config` (the library would put adapters on meta tensors) or a `device_map` of the user's."""
+    kwargs = getattr(args, "model_init_kwargs", False)
+    path = Path(model) if isinstance(model, str | os.PathLike) else None
+    if (kwargs is False or path is None or peft_config is not None or not getattr(args, "fsdp_enabled", False)
+            or not args.fsdp_config.cpu_ram_efficient_loading or "device_map" in (kwargs or {})
+            or not (path / "config.json").is_file() or not any(path.glob("*.safetensors"))):
+        yield
+        return
+    args.model_init_kwargs = {**(kwargs or {}), "device_map": "meta"}
+    try:
+        yield
+    finally:
+        args.model_init_kwargs = kwargs
 
 
 @functools.cache

@@ -43,6 +43,15 @@ def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _rows(indices: list[int], batch: dict, values: torch.Tensor) -> list[np.ndarray]:
+    """The real rows (index >= 0) of a batch tensor on the host, per-token ones cut at their attention mask's
+    length (so a row does not depend on the padding of the batch it fell into)."""
+    values = values.cpu().numpy()
+    lengths = batch["attention_mask"].sum(-1).tolist() if values.ndim > 1 and "attention_mask" in batch else None
+    return [values[row, :lengths[row]] if lengths is not None else values[row]
+            for row, index in enumerate(indices) if index >= 0]
+
+
 class EvalLoop:
     """Data-parallel rank r evaluates the r-th contiguous block of the dataset; short blocks get ignored
     placeholders so every rank runs the same number of forward passes (FSDP's collectives need that).
@@ -58,7 +67,7 @@ class EvalLoop:
                  prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
                  generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True, *,
                  backend: Any, prediction_step: Callable[[dict, bool], tuple] | None = None,
-                 batch_metrics: bool = False, keep_predictions: bool = True) -> None:
+                 batch_metrics: bool = False, keep_predictions: bool = True, inputs_key: str | None = None) -> None:
         self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
         self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
         self.seed, self.on_step = seed, on_step  # on_step(steps): the callbacks' on_prediction_step
@@ -73,6 +82,8 @@ class EvalLoop:
         # batch_eval_metrics: compute_metrics(EvalPrediction, compute_result) on each batch of every rank, gathered;
         # keep_predictions False: none are kept (Hugging Face's evaluate() under batch_eval_metrics)
         self.batch_metrics, self.keep_predictions = batch_metrics, keep_predictions
+        # include_for_metrics ["inputs"]: this batch key's rows go to EvalPrediction.inputs (None: no inputs)
+        self.inputs_key = inputs_key
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -118,12 +129,13 @@ class EvalLoop:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
+        input_rows: list[np.ndarray] = []  # include_for_metrics ['inputs']
         batch_result: dict | None = None  # batch_eval_metrics: what compute_metrics returned last
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
             for step, (indices, collated) in enumerate(batches):
-                seen = len(preds), len(labels)
+                seen = len(preds), len(labels), len(input_rows)
                 batch = self.backend.to_device(collated)
                 inputs = self.prepare(batch) if self.prepare is not None else batch
                 real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
@@ -154,9 +166,11 @@ class EvalLoop:
                     logits = self.cp.gather_sequence(logits, inputs[SHARD_KWARG])
                 if with_predictions and logits is not None and self.collects:
                     self._collect(indices, batch, logits, preds, labels)
+                if with_predictions and self.inputs_key is not None and self.collects:
+                    input_rows += _rows(indices, batch, batch[self.inputs_key])
                 if self.batch_metrics and compute_metrics is not None and with_predictions:
-                    batch_result = self._batch_metrics(preds, labels, seen, compute_metrics, step == steps - 1) \
-                        or batch_result
+                    batch_result = self._batch_metrics(preds, labels, input_rows, seen, compute_metrics,
+                                                       step == steps - 1) or batch_result
                 self.backend.step_end()
                 if self.on_step is not None:
                     self.on_step(steps)
@@ -167,14 +181,17 @@ class EvalLoop:
         predictions = label_ids = None
         if with_predictions:
             gathered: list[Any] = [None] * dist.get_world_size()  # in rank order: cp groups in data order
-            dist.all_gather_object(gathered, (preds, labels))
-            predictions = _stack_padded([p for rank_preds, _ in gathered for p in rank_preds])
-            label_ids = _stack_padded([label for _, rank_labels in gathered for label in rank_labels]) \
-                if any(rank_labels for _, rank_labels in gathered) else None
+            dist.all_gather_object(gathered, (preds, labels, input_rows))
+            predictions = _stack_padded([p for rank_preds, _, _ in gathered for p in rank_preds])
+            label_ids = _stack_padded([label for _, rank_labels, _ in gathered for label in rank_labels]) \
+                if any(rank_labels for _, rank_labels, _ in gathered) else None
+            all_inputs = _stack_padded([row for *_, rank_inputs in gathered for row in rank_inputs]) \
+                if self.inputs_key is not None else None
             if self.batch_metrics:
                 extra = batch_result or {}
             elif compute_metrics is not None and label_ids is not None:  # as Hugging Face: no labels, no metrics
-                extra = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids))
+                extra = compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids,
+                                                       inputs=all_inputs))
             else:
                 extra = {}
             metrics.update({k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": float(v) for k, v in extra.items()})
@@ -182,21 +199,24 @@ class EvalLoop:
                 predictions = label_ids = None
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
-    def _batch_metrics(self, preds: list, labels: list, seen: tuple[int, int], compute_metrics: Callable,
-                       last: bool) -> dict | None:
+    def _batch_metrics(self, preds: list, labels: list, inputs: list, seen: tuple[int, int, int],
+                       compute_metrics: Callable, last: bool) -> dict | None:
         """Hugging Face's batch_eval_metrics: compute_metrics on this step's rows of every rank (gathered, in rank
         order, as tensors); the rows are dropped afterwards unless predictions are kept."""
-        mine = (preds[seen[0]:], labels[seen[1]:])
+        mine = (preds[seen[0]:], labels[seen[1]:], inputs[seen[2]:])
         if not self.keep_predictions:
-            del preds[seen[0]:], labels[seen[1]:]
+            del preds[seen[0]:], labels[seen[1]:], inputs[seen[2]:]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        step_preds = [p for rank_preds, _ in gathered for p in rank_preds]
-        step_labels = [label for _, rank_labels in gathered for label in rank_labels]
+        step_preds = [p for rank_preds, _, _ in gathered for p in rank_preds]
+        step_labels = [label for _, rank_labels, _ in gathered for label in rank_labels]
+        step_inputs = [row for *_, rank_inputs in gathered for row in rank_inputs]
         if not step_preds or not step_labels:
             return None
         return compute_metrics(EvalPrediction(predictions=torch.as_tensor(_stack_padded(step_preds)),
-                                              label_ids=torch.as_tensor(_stack_padded(step_labels))),
+                                              label_ids=torch.as_tensor(_stack_padded(step_labels)),
+                                              inputs=torch.as_tensor(_stack_padded(step_inputs))
+                                              if self.inputs_key is not None else None),
                                compute_result=last)
 
     @staticmethod

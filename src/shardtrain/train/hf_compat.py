@@ -20,7 +20,6 @@ REFUSED: dict[str, str] = {
     "deepspeed": "shardtrain shards with FSDP2; drop --deepspeed and use --fsdp / fsdp_config",
     "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
     "auto_find_batch_size": "set per_device_train_batch_size yourself (batches must be equal on every rank)",
-    "include_for_metrics": "compute_metrics receives predictions and label_ids only",
     "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
     "train_sampling_strategy": "samples are shuffled once per epoch ('random' only)",
     "optim_target_modules": "only torch's elementwise optimizers are available",
@@ -127,6 +126,8 @@ FIELD_NOTES = {
     "loss_chunk_size": "tokens per chunk of LM head + fp32 cross entropy (no full logits); 'auto'; None: off",
     "batch_eval_metrics": "compute_metrics(EvalPrediction, compute_result) after every batch, on the batch "
                           "gathered from every rank (tensors); evaluate() keeps no predictions",
+    "include_for_metrics": "['inputs']: EvalPrediction.inputs, the model's main input per row in dataset order "
+                           "(padding cut as for predictions); 'loss' is refused (a micro-batch mean)",
     "pack_sequences": "causal LMs: each training micro-batch is one padding-free row (DataCollatorWithFlattening); "
                       "documents kept apart; evaluation stays padded",
     "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way; not with ep",

@@ -106,7 +106,9 @@ class TrainerAPIMixin:
                         else None,
                         collects=self._collects_predictions, backend=self.backend,
                         prediction_step=user_step, batch_metrics=self.args.batch_eval_metrics,
-                        keep_predictions=keep_predictions)
+                        keep_predictions=keep_predictions,
+                        inputs_key=getattr(self.model, "main_input_name", "input_ids")
+                        if "inputs" in (self.args.include_for_metrics or []) else None)
         if foreign:
             output = loop.run_loader(dataset, prefix, self.compute_metrics, with_predictions)
             samples, steps = len(dataset) * batch_size * self.dims.batch_size, len(dataset)

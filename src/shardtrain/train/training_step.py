@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from shardtrain.errors import DataError
-from shardtrain.parallel.expert import rescale_expert_grads
-from shardtrain.train.optim import normalize_and_clip_grads
 from shardtrain.train.preemption import Preempted
+from shardtrain.train.step_runner import StepRunner
 
 
 class TrainingStepMixin:
@@ -62,7 +61,6 @@ class TrainingStepMixin:
         # 1 / (global batch in samples). The exact 1 / (global target tokens) is applied afterwards by
         # `normalize_and_clip_grads`, whose one all-reduce carries the token counts with the gradient norm.
         self._step_samples = max(self.state.global_batch_size, 1)
-        fsdp = self.backend.is_sharded(self.model)
         # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the
         # forward (one small all-reduce, which also tells every rank whether one of them was asked to stop)
         placeholders = placeholders or [False] * len(batches)
@@ -70,27 +68,34 @@ class TrainingStepMixin:
         num_items = self._global_items(batches, placeholders, by_samples)
         self._micro_batches = len(batches)
         loss_sum = torch.zeros((), device=self.device)
-        for index, batch in enumerate(batches):
-            if fsdp and len(batches) > 1:  # reduce-scatter once per step, not per micro-step
-                self.model.set_requires_gradient_sync(index == len(batches) - 1)
+
+        def micro_step(index: int, batch: dict[str, torch.Tensor]) -> None:
+            nonlocal loss_sum
             self.loss_computer.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
             try:
                 loss = self.training_step(self.model, batch, num_items)
             finally:
                 self.loss_computer.placeholder = False
             loss_sum += loss.detach().float() * num_items / self._loss_scale
-            if index < len(batches) - 1:
-                self._fire("on_substep_end")
-        # FSDP averages gradients over its ranks (replicate x shard x cp). The token counts of the ranks add up to
-        # the global ones: each context-parallel rank counts the targets of its part of the sequences only.
-        divisor = self._step_samples * (self.dims.grad_average_size if fsdp else 1)
-        if self.dims.ep > 1:
-            rescale_expert_grads(self.model)
-        grad_norm, counts = normalize_and_clip_grads(self.model.parameters(),
-                                                     self.loss_computer.local_counts(batches, placeholders, by_samples),
-                                                     divisor, self.args.max_grad_norm, self.world_size,
-                                                     count_copies=self.dims.tp)
+
+        grad_norm, counts = self._step_runner.run(
+            batches, micro_step, self.loss_computer.local_counts(batches, placeholders, by_samples),
+            self._step_samples, optimizer_step=self._step_optimizer, between=lambda: self._fire("on_substep_end"))
         tokens, input_tokens = (int(c) for c in counts.tolist())
+        self.state.num_input_tokens_seen += input_tokens
+        self.state.total_flos += 6.0 * self._flop_params() * input_tokens
+        return loss_sum, tokens, grad_norm
+
+    @property
+    def _step_runner(self) -> StepRunner:
+        runner = getattr(self, "_runner", None)
+        if runner is None:
+            runner = self._runner = StepRunner(model=self.model, dims=self.dims, max_grad_norm=self.args.max_grad_norm,
+                                               sharded=self.backend.is_sharded(self.model))
+        return runner
+
+    def _step_optimizer(self) -> None:
+        """The optimizer step with Hugging Face's callbacks around it, the scheduler's step and the backend's end."""
         self._fire("on_pre_optimizer_step")
         self.backend.optimizer_step(self.optimizer)
         self._fire("on_optimizer_step")
@@ -98,9 +103,6 @@ class TrainingStepMixin:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.step_end()
-        self.state.num_input_tokens_seen += input_tokens
-        self.state.total_flos += 6.0 * self._flop_params() * input_tokens
-        return loss_sum, tokens, grad_norm
 
     def _global_items(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool],
                       by_samples: bool = False) -> torch.Tensor:

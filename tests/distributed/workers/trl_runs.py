@@ -5,14 +5,16 @@ same global batch: per step 8 samples (SFT) or 4 preference pairs x 2 accumulati
     python trl_runs.py trl OUT
     torchrun --nproc_per_node 2 trl_runs.py ours OUT
 
-Cases: sft, sft_packed, dpo, and dpo_path (the policy passed as a directory: TRL loads it and its reference
-model on every rank, reading `args.distributed_state`). Writes OUT/<case>.json: per-step losses and gradient
-norms, the eval loss (SFT), and for the packed case the first packed row's position_ids and the largest
+Cases: sft, sft_packed, dpo, dpo_path (the policy passed as a directory: TRL loads it and its reference
+model on every rank, reading `args.distributed_state`) and dpo_path_meta (the same with `cpu_ram_efficient_loading`
+for ours: TRL builds both on the meta device, each rank reads its shards). Writes OUT/<case>.json: per-step losses
+and gradient norms, the eval loss (SFT), and for the packed case the first packed row's position_ids and the largest
 difference between the logits of each of its documents and those of the document run alone.
 """
 
 import copy
 import json
+import logging
 import os
 import random
 import sys
@@ -21,6 +23,7 @@ from pathlib import Path
 import datasets
 import torch
 import trl
+from launch import LogLines
 from packed_rows import document_gap
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -87,25 +90,35 @@ def sft(name: str, packing: bool) -> dict:
     return result
 
 
-def dpo(name: str, by_path: bool = False) -> dict:
-    """`by_path`: the policy given as a saved model's directory; TRL loads it, and the reference model from it."""
+def dpo(name: str, by_path: bool = False, meta: bool = False) -> dict:
+    """`by_path`: the policy given as a saved model's directory; TRL loads it, and the reference model from it.
+    `meta` (ours): with `cpu_ram_efficient_loading`, so TRL builds both on the meta device and each rank reads its
+    shards; "read_into_meta" counts the loader's reports of that, "model_init_kwargs" is what the args hold after."""
     rng = random.Random(0)
     pairs = [{"prompt": text(rng, 2, 5) + " ", "chosen": text(rng, 2, 6), "rejected": text(rng, 2, 6)}
              for _ in range(16)]
     trainer_cls, config_cls = classes("DPO")
+    extra = {"fsdp_config": {"cpu_ram_efficient_loading": True}} if meta and MODE == "ours" else {}
     args = arguments(config_cls, name, per_device_train_batch_size=4 // WORLD, gradient_accumulation_steps=2,
-                     max_steps=3, beta=0.1)
+                     max_steps=3, beta=0.1, **extra)
     policy = model()
     given = {"model": policy, "ref_model": copy.deepcopy(policy)}
     if by_path:
-        policy.save_pretrained(OUT / "policy")  # rank 0 writes (the process group of the earlier cases is up)
+        policy.save_pretrained(OUT / "policy", is_main_process=RANK == 0)  # the process group is up: barrier
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         given = {"model": str(OUT / "policy")}
+    said = LogLines()
+    logging.getLogger("shardtrain.parallel.loading").addHandler(said)
+    logging.getLogger("shardtrain.parallel.loading").setLevel(logging.INFO)
     trainer = trainer_cls(**given, args=args, train_dataset=datasets.Dataset.from_list(pairs),
                           processing_class=tokenizer())
+    logging.getLogger("shardtrain.parallel.loading").removeHandler(said)
     trainer.train()
     out = history(trainer)
+    if meta:
+        out["read_into_meta"] = sum("into the meta-device model" in m for m in said.messages)
+        out["model_init_kwargs"] = args.model_init_kwargs
     if MODE == "ours":  # the reference model is sharded like the policy
         from torch.distributed.fsdp import FSDPModule
 
@@ -116,7 +129,8 @@ def dpo(name: str, by_path: bool = False) -> dict:
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, run in (("sft", lambda: sft("sft", False)), ("sft_packed", lambda: sft("sft_packed", True)),
-                      ("dpo", lambda: dpo("dpo")), ("dpo_path", lambda: dpo("dpo_path", by_path=True))):
+                      ("dpo", lambda: dpo("dpo")), ("dpo_path", lambda: dpo("dpo_path", by_path=True)),
+                      ("dpo_path_meta", lambda: dpo("dpo_path_meta", by_path=True, meta=True))):
         result = run()
         if RANK == 0:
             (OUT / f"{name}.json").write_text(json.dumps(result))
