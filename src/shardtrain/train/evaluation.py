@@ -18,6 +18,7 @@ from shardtrain.parallel.context import SHARD_KWARG, ContextParallel
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data import IGNORE_INDEX, CollatingDataset, SeededIndices, derive_seed
 from shardtrain.train.loss import LossComputer, batch_rows
+from shardtrain.train.validation import per_rank
 
 
 def _first_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
@@ -108,8 +109,7 @@ class EvalLoop:
         """Evaluate the batches of a loader that is not shardtrain's (an overridden `get_eval_dataloader`): they
         are this rank's; a rank with fewer batches than another repeats its last one with every label ignored,
         so every rank runs the same forward passes. Predictions are gathered in rank order."""
-        counts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, len(loader))
+        counts = per_rank(len(loader))
         steps = max(counts)
 
         def batches() -> Iterator[tuple[list[int], dict]]:

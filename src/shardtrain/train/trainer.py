@@ -17,8 +17,7 @@ import os
 import random
 import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ import numpy as np
 import torch
 import transformers
 from torch import nn
-from torch.utils.data import DataLoader
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
 from transformers.trainer_utils import TrainOutput, speed_metrics
@@ -41,12 +39,8 @@ from shardtrain.train.arguments import TrainingArguments
 from shardtrain.train.chunked_loss import resolve_chunk_size
 from shardtrain.train.data import (
     BatchPlan,
-    CollatingDataset,
     ColumnFilter,
     PaddingCollator,
-    StepBatchSampler,
-    derive_seed,
-    passthrough,
 )
 from shardtrain.train.hf_internals import HFInternalsMixin
 from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, tracker_callbacks
@@ -60,10 +54,11 @@ from shardtrain.train.preflight import PreflightMixin
 from shardtrain.train.router_loss import RouterLoss
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step_flow import StepFlowMixin
-from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
+from shardtrain.train.streaming import StreamPlan, check_stream_arguments
 from shardtrain.train.trainer_api import TrainerAPIMixin
+from shardtrain.train.training_data import TrainingData
 from shardtrain.train.training_step import TrainingStepMixin
-from shardtrain.train.user_loader import OVERRIDE_WARNING, LoaderPlan
+from shardtrain.train.user_loader import LoaderPlan
 from shardtrain.train.validation import agree, writable_problem
 
 
@@ -151,8 +146,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self._signature_columns: list[str] | None = None
         self._keep_columns = None
         # a library that builds its own dataloaders (sentence-transformers) keeps the columns its collator reads
-        owns_loading = not self.labels_from_inputs and \
-            type(self).get_train_dataloader is not TrainerAPIMixin.get_train_dataloader
+        owns_loading = not self.labels_from_inputs and self._overrides_train_loader
         if args.remove_unused_columns and not owns_loading:
             self._set_signature_columns_if_needed()
             self._keep_columns = frozenset(self._signature_columns)
@@ -236,71 +230,30 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
 
-    def _plan(self) -> BatchPlan | StreamPlan | LoaderPlan:
+    @property
+    def _overrides_train_loader(self) -> bool:
+        """Whether a subclass (a user's, or a library's) overrides `get_train_dataloader`."""
+        return type(self).get_train_dataloader is not TrainerAPIMixin.get_train_dataloader
+
+    def _training_data(self) -> TrainingData:
+        """The training batches' part, from the dataset and collator the Trainer holds now."""
         args = self.args
-        if type(self).get_train_dataloader is not TrainerAPIMixin.get_train_dataloader:
-            return self._user_loader_plan()
-        # a process that feeds several devices (XLA SPMD) loads all their batches at once
-        per_process = args.per_device_train_batch_size * self.backend.devices_per_process
-        if is_stream(self.train_dataset):
-            return StreamPlan(self.train_dataset, self.data_collator, per_process, args.gradient_accumulation_steps,
-                              dp_size=self.dims.batch_size, dp_rank=self.dp_rank,
-                              seed=args.seed if args.data_seed is None else args.data_seed,
-                              global_count=self._global_sample_count)
-        return BatchPlan(num_samples=len(self.train_dataset), per_device_batch_size=per_process,
-                         accumulation_steps=args.gradient_accumulation_steps, dp_size=self.dims.batch_size,
-                         dp_rank=self.dp_rank, seed=args.seed if args.data_seed is None else args.data_seed)
+        return TrainingData(
+            dataset=self.train_dataset, collator=self.data_collator,
+            # a process that feeds several devices (XLA SPMD) loads all their batches at once
+            per_process_batch=args.per_device_train_batch_size * self.backend.devices_per_process,
+            per_device_batch=args.per_device_train_batch_size, accumulation_steps=args.gradient_accumulation_steps,
+            dp_size=self.dims.batch_size, dp_rank=self.dp_rank, seed=args.seed,
+            data_seed=args.seed if args.data_seed is None else args.data_seed, world_size=self.world_size,
+            all_reduce=self.backend.all_reduce, device=self.device, num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
+            prefetch_factor=args.dataloader_prefetch_factor, rank=self.rank)
 
-    def _user_loader_plan(self) -> LoaderPlan:
-        """The steps of an overridden `get_train_dataloader` (called once, as Hugging Face does), checked to give
-        every rank as many batches."""
-        problem, plan = None, None
-        try:
-            plan = LoaderPlan(self.get_train_dataloader(), self.args.gradient_accumulation_steps,
-                              self.args.per_device_train_batch_size, self.dims.batch_size)
-        except DataError as err:
-            problem = str(err)
-        agree(problem)
-        lengths: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(lengths, plan.batches_per_epoch)
-        if len(set(lengths)) > 1:
-            raise DataError(f"get_train_dataloader() gives the ranks different numbers of batches per epoch "
-                            f"({lengths}); every rank must run the same steps: give each rank as many batches "
-                            "(e.g. a DistributedSampler, or self.accelerator.prepare(loader))")
-        if self.rank == 0:
-            owner = next(c.__qualname__ for c in type(self).__mro__ if "get_train_dataloader" in vars(c))
-            warnings.warn(OVERRIDE_WARNING.format(owner=owner), stacklevel=3)
-        return plan
-
-    def _loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
-        # Its own generator: creating the iterator must not draw from the global RNG that dropout uses, or a
-        # resumed run (which creates one more iterator) would drop out different units.
-        generator = torch.Generator().manual_seed(derive_seed(self.args.seed, "loader", epoch, self.dp_rank))
-        workers = self.args.dataloader_num_workers
-        return DataLoader(CollatingDataset(self.train_dataset, self.data_collator),
-                          batch_sampler=StepBatchSampler(plan, epoch, start_step), collate_fn=passthrough,
-                          num_workers=workers, generator=generator,
-                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
-                          prefetch_factor=self.args.dataloader_prefetch_factor if workers else None)
-
-    def _global_sample_count(self, local: int) -> int:
-        """Samples of a step over the data-parallel ranks (cp and tp ranks load the same ones)."""
-        count = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-        self.backend.all_reduce(count)
-        return round(count.item() * self.dims.batch_size / self.world_size)
-
-    def _epoch_steps(self, plan: BatchPlan | StreamPlan, epoch: int,
-                     start: int) -> Iterator[tuple[list[dict[str, Any]], list[bool]]]:
-        """(micro-batches, placeholder flags) of each step of `epoch` from step `start` on."""
-        if isinstance(plan, StreamPlan | LoaderPlan):
-            yield from plan.epoch(epoch, start)
-            return
-        micro_batches = iter(self._loader(plan, epoch, start))
-        permutation = plan.permutation(epoch)
-        for step in range(start, plan.steps_per_epoch):
-            batches = [next(micro_batches) for _ in range(self.args.gradient_accumulation_steps)]
-            # a micro-batch of the epoch's short end that stands in for no sample (see BatchPlan)
-            yield batches, [min(ix) < 0 for ix in plan.micro_batches(permutation, step, epoch)]
+    def _plan(self, data: TrainingData) -> BatchPlan | StreamPlan | LoaderPlan:
+        if not self._overrides_train_loader:
+            return data.plan()
+        owner = next(c.__qualname__ for c in type(self).__mro__ if "get_train_dataloader" in vars(c))
+        return data.plan(self.get_train_dataloader, owner)
 
     # -- training -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
@@ -310,7 +263,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self._validate_inputs()
         resume = self._resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                       else args.resume_from_checkpoint)
-        plan = self._plan()
+        data = self._training_data()
+        plan = self._plan(data)
         if isinstance(plan, StreamPlan):
             check_stream_arguments(args)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
@@ -338,7 +292,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.preemption.install()
         neftune = activate_neftune(self.model, self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         try:
-            self._train_loop(plan, max_steps)
+            self._train_loop(data, plan, max_steps)
         except KeyboardInterrupt:
             if self.rank == 0:
                 print(f"error: interrupted at step {self.state.global_step}; resume with "
@@ -392,7 +346,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         if self.rank == 0:
             self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
 
-    def _train_loop(self, plan: BatchPlan, max_steps: int) -> None:
+    def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int) -> None:
         window: list[tuple[torch.Tensor, int]] = []
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             # where the data stands: derived from the step (map-style), or saved with it (a stream)
@@ -400,7 +354,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
                 divmod(self.state.global_step, plan.steps_per_epoch)
             self.control.should_epoch_stop = False
             self._fire("on_epoch_begin")
-            steps = self._epoch_steps(plan, epoch, start)
+            steps = data.epoch_steps(plan, epoch, start)
             for step, (batches, placeholders) in enumerate(steps, start):
                 self.control.should_log = self.control.should_evaluate = self.control.should_save = False
                 self._fire("on_step_begin")

@@ -166,7 +166,8 @@ class TrainerAPIMixin:
         """This rank's micro-batches of the first epoch, exactly as `train()` draws them."""
         if self.train_dataset is None:
             raise DataError("get_train_dataloader() needs a train_dataset")
-        return self._loader(self._plan(), epoch=0, start_step=0)
+        data = self._training_data()
+        return data.loader(data.plan(), epoch=0, start_step=0)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """This rank's contiguous share of the evaluation set, collated."""

@@ -203,3 +203,10 @@ def agree(problem: str | None, error: type[UserError] = DataError) -> None:
     problems = [p for p in found if p is not None]
     if problems:
         raise error(problems[0])
+
+
+def per_rank(value: Any) -> list[Any]:
+    """Collective: every rank's `value` (picklable), in rank order."""
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, value)
+    return found
