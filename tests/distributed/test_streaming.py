@@ -1,6 +1,8 @@
 """Streams (a torch IterableDataset, a `datasets` streaming dataset) with max_steps: shardtrain on one process
 equals transformers' Trainer over two passes with short last steps; two ranks equal one process; resuming inside
-a pass or in the next one is bit-identical to the uninterrupted run, dropout included (`workers/streaming.py`).
+a pass or in the next one is bit-identical to the uninterrupted run, dropout included; evaluation and prediction
+on a stream give transformers' predictions and labels in stream order, on one process and two ranks, and the loss
+of the same samples as a list (`workers/streaming.py`).
 """
 
 from pathlib import Path
@@ -41,3 +43,16 @@ def test_resume_is_bit_identical(runs, run, kind):
     result = read_json(runs / run / f"{kind}_dropout.json")
     assert result["resume_identical"] == {"2": True, "4": True}
     assert len(set(result["losses"])) == 6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_predict_on_a_stream_equals_transformers_and_the_list(runs, kind):
+    hf = read_json(runs / "hf" / "torch_plain.json")[f"predict_{kind}"]
+    for run in ("ours1", "ours2"):
+        got = read_json(runs / run / "torch_plain.json")
+        stream, listed = got[f"predict_{kind}"], got["predict_list"]
+        assert len(stream["labels"]) == 13 and stream["labels"] == hf["labels"] == listed["labels"]  # stream order
+        assert stream["argmax"] == hf["argmax"]
+        assert stream["logit_sums"] == pytest.approx(hf["logit_sums"], abs=1e-3)
+        assert stream["logit_sums"] == pytest.approx(listed["logit_sums"], abs=1e-4)
+        assert stream["loss"] == pytest.approx(listed["loss"], abs=1e-6)  # the exact token mean, as for a list

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +17,14 @@ from transformers.trainer_utils import PredictionOutput
 from shardtrain.errors import DataError
 from shardtrain.parallel.context import SHARD_KWARG, ContextParallel
 from shardtrain.parallel.fsdp import reshard_all
-from shardtrain.train.data import IGNORE_INDEX, CollatingDataset, SeededIndices, derive_seed
+from shardtrain.train.data import (
+    IGNORE_INDEX,
+    CollatingDataset,
+    PlaceholderDataset,
+    SeededIndices,
+    derive_seed,
+    isolated_rng,
+)
 from shardtrain.train.loss import LossComputer, batch_rows
 from shardtrain.train.validation import per_rank
 
@@ -85,6 +93,7 @@ class EvalLoop:
         self.batch_metrics, self.keep_predictions = batch_metrics, keep_predictions
         # include_for_metrics ["inputs"]: this batch key's rows go to EvalPrediction.inputs (None: no inputs)
         self.inputs_key = inputs_key
+        self.rows = 0  # real rows this rank evaluated
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -103,6 +112,38 @@ class EvalLoop:
                 yield indices, data.__getitems__(SeededIndices(indices, derive_seed(self.seed, "eval", step,
                                                                                     self.dp_rank)))
         return self._evaluate(batches(), steps, prefix, compute_metrics, with_predictions)
+
+    def run_stream(self, stream: Any, prefix: str, compute_metrics: Callable | None,
+                   with_predictions: bool) -> PredictionOutput:
+        """Evaluate a stream (no length): every rank reads it and keeps every dp-th element, from its rank on;
+        each step takes the next `batch_size` of them on every rank while any rank has one left (a rank with
+        none runs an ignored placeholder batch, so every rank runs the same forward passes). Predictions are
+        put back in stream order."""
+        if self.batch_metrics:
+            raise DataError("batch_eval_metrics with a stream as the evaluation dataset: its last batch is known "
+                            "only after it; evaluate a map-style dataset, or set batch_eval_metrics=False")
+
+        def batches() -> Iterator[tuple[list[int], dict]]:
+            with isolated_rng(derive_seed(self.seed, "eval_stream", self.dp_rank)):
+                elements = iter(stream)
+                first = next(elements, None)
+            if first is None:
+                raise DataError("the evaluation stream gave no sample; check that iterating it yields samples")
+            placeholder = PlaceholderDataset([first])[-1]  # the first element with every label ignored
+            mine = itertools.islice(itertools.chain([first], elements), self.dp_rank, None, self.dp_size)
+            for step in itertools.count():
+                with isolated_rng(derive_seed(self.seed, "eval", step, self.dp_rank)):
+                    items = list(itertools.islice(mine, self.batch_size))
+                count = torch.tensor([float(len(items))], dtype=torch.float64, device=self.device)
+                self.backend.all_reduce(count)  # every rank stops at the same step
+                if count.item() == 0:
+                    return
+                start = step * self.batch_size * self.dp_size
+                indices = [start + i * self.dp_size + self.dp_rank for i in range(len(items))]
+                indices += [-1] * (self.batch_size - len(items))
+                with isolated_rng(derive_seed(self.seed, "eval", step, self.dp_rank)):
+                    yield indices, self.collator(items + [placeholder] * (self.batch_size - len(items)))
+        return self._evaluate(batches(), None, prefix, compute_metrics, with_predictions)
 
     def run_loader(self, loader: Any, prefix: str, compute_metrics: Callable | None,
                    with_predictions: bool) -> PredictionOutput:
@@ -124,12 +165,15 @@ class EvalLoop:
                 yield [-1] * batch_rows(last), {k: _ignored(v) if k == "labels" else v for k, v in last.items()}
         return self._evaluate(batches(), steps, prefix, compute_metrics, with_predictions)
 
-    def _evaluate(self, batches: Iterator[tuple[list[int], dict]], steps: int, prefix: str,
+    def _evaluate(self, batches: Iterator[tuple[list[int], dict]], steps: int | None, prefix: str,
                   compute_metrics: Callable | None, with_predictions: bool) -> PredictionOutput:
+        """Run `batches` ((dataset positions, -1 for a placeholder row; collated batch) each; `steps` of them,
+        None: not known ahead) and reduce the loss, gather the predictions in position order, run the metrics."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
         input_rows: list[np.ndarray] = []  # include_for_metrics ['inputs']
+        positions: list[int] = []  # each collected row's place in the dataset (a stream's rows arrive strided)
         batch_result: dict | None = None  # batch_eval_metrics: what compute_metrics returned last
         was_training = self.model.training
         self.model.eval()
@@ -157,6 +201,8 @@ class EvalLoop:
                     self.loss.placeholder = False
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
+                if with_predictions and self.collects:
+                    positions += [i for i in indices if i >= 0]
                 if with_predictions and self.generate is not None:
                     generated, answers = self.generate(batch)  # every rank: FSDP's gathers need all of them
                     if self.collects:
@@ -174,19 +220,23 @@ class EvalLoop:
                 self.backend.step_end()
                 if self.on_step is not None:
                     self.on_step(steps)
+                self.rows += real
         reshard_all(self.model)
         self.model.train(was_training)
         self.backend.all_reduce(totals, group=self.loss_group)
         metrics = {f"{prefix}_loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
         predictions = label_ids = None
         if with_predictions:
-            gathered: list[Any] = [None] * dist.get_world_size()  # in rank order: cp groups in data order
-            dist.all_gather_object(gathered, (preds, labels, input_rows))
-            predictions = _stack_padded([p for rank_preds, _, _ in gathered for p in rank_preds])
-            label_ids = _stack_padded([label for _, rank_labels, _ in gathered for label in rank_labels]) \
-                if any(rank_labels for _, rank_labels, _ in gathered) else None
-            all_inputs = _stack_padded([row for *_, rank_inputs in gathered for row in rank_inputs]) \
-                if self.inputs_key is not None else None
+            gathered = per_rank((preds, labels, input_rows, positions))
+            order = np.argsort([i for *_, rank_positions in gathered for i in rank_positions], kind="stable")
+
+            def in_order(part: int) -> list[np.ndarray]:
+                rows = [row for ranks in gathered for row in ranks[part]]
+                return [rows[i] for i in order] if len(rows) == len(order) else rows
+
+            predictions = _stack_padded(in_order(0))
+            label_ids = _stack_padded(in_order(1)) if any(ranks[1] for ranks in gathered) else None
+            all_inputs = _stack_padded(in_order(2)) if self.inputs_key is not None else None
             if self.batch_metrics:
                 extra = batch_result or {}
             elif compute_metrics is not None and label_ids is not None:  # as Hugging Face: no labels, no metrics

@@ -20,7 +20,8 @@ from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, 
 from shardtrain.train.evaluation import EvalLoop
 from shardtrain.train.generation import generate_answers
 from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
-from shardtrain.train.validation import ModelLimits, agree, validate_dataset, writable_problem
+from shardtrain.train.streaming import is_stream
+from shardtrain.train.validation import ModelLimits, agree, over_data_ranks, validate_dataset, writable_problem
 
 SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks
 
@@ -77,8 +78,8 @@ class TrainerAPIMixin:
         output = self._run_prediction(source, metric_key_prefix, with_predictions=not loss_only,
                                       ignore_keys=ignore_keys, keep_predictions=description == "Prediction"
                                       or not self.args.batch_eval_metrics)
-        rows = len(source) if source is not dataloader else len(output.predictions) \
-            if output.predictions is not None else 0
+        rows = len(source) if source is not dataloader and not is_stream(source) else \
+            len(output.predictions) if output.predictions is not None else output.metrics.get("rows", 0)
         return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
                               num_samples=rows)
 
@@ -91,7 +92,8 @@ class TrainerAPIMixin:
                 "an overridden get_eval_dataloader/get_test_dataloader returned its own DataLoader while cp_size or "
                 "tp_size > 1, whose ranks must evaluate the same samples; return super().get_eval_dataloader(...) "
                 "(shardtrain's split of the dataset), or evaluate with cp_size and tp_size 1")
-        if not foreign:
+        stream = is_stream(dataset)
+        if not (foreign or stream):
             self._validate_eval_dataset(dataset, f"{prefix}_dataset")
         start = time.time()
         batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
@@ -112,6 +114,11 @@ class TrainerAPIMixin:
         if foreign:
             output = loop.run_loader(dataset, prefix, self.compute_metrics, with_predictions)
             samples, steps = len(dataset) * batch_size * self.dims.batch_size, len(dataset)
+        elif stream:
+            output = loop.run_stream(dataset, prefix, self.compute_metrics, with_predictions)
+            samples = over_data_ranks(loop.rows, self.backend.all_reduce, self.device, self.dims.batch_size,
+                                      self.world_size)
+            steps = -(-samples // (batch_size * self.dims.batch_size))
         else:
             output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
             samples, steps = len(dataset), -(-len(dataset) // (batch_size * self.dims.batch_size))
@@ -120,10 +127,10 @@ class TrainerAPIMixin:
             output.metrics["epoch"] = self.state.epoch
         return output
 
-    def _prediction_batch_done(self, steps: int) -> None:
+    def _prediction_batch_done(self, steps: int | None) -> None:
         """on_prediction_step; callbacks see a sized `eval_dataloader` (Hugging Face's evaluation bar reads its
         length: this rank's batches)."""
-        self.callback_handler.eval_dataloader = range(steps)
+        self.callback_handler.eval_dataloader = range(steps) if steps is not None else None  # a stream: unknown
         self._fire("on_prediction_step")
 
     def _user_prediction_step(self, ignore_keys: list[str] | None) -> Any:
@@ -186,6 +193,11 @@ class TrainerAPIMixin:
             self._validated.add(id(dataset))
 
     def _share_loader(self, dataset: Any, name: str) -> DataLoader:
+        if is_stream(dataset):  # read by EvalLoop.run_stream; iterating this loader gives every element
+            loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size,
+                                collate_fn=self._eval_collator())
+            setattr(loader, SHARED_DATASET, dataset)
+            return loader
         self._validate_eval_dataset(dataset, name)
         per_rank = -(-len(dataset) // self.dims.batch_size)
         indices = list(range(self.dp_rank * per_rank, min(len(dataset), (self.dp_rank + 1) * per_rank)))

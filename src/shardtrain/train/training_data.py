@@ -26,7 +26,7 @@ from shardtrain.errors import DataError
 from shardtrain.train.data import BatchPlan, CollatingDataset, StepBatchSampler, derive_seed, passthrough
 from shardtrain.train.streaming import StreamPlan, is_stream
 from shardtrain.train.user_loader import OVERRIDE_WARNING, LoaderPlan
-from shardtrain.train.validation import agree, per_rank
+from shardtrain.train.validation import agree, over_data_ranks, per_rank
 
 Plan = BatchPlan | StreamPlan | LoaderPlan
 
@@ -121,6 +121,4 @@ class TrainingData:
 
     def _global_sample_count(self, local: int) -> int:
         """Samples of a step over the data-parallel ranks (cp and tp ranks load the same ones)."""
-        count = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
-        self.all_reduce(count)
-        return round(count.item() * self.dp_size / self.world_size)
+        return over_data_ranks(local, self.all_reduce, self.device, self.dp_size, self.world_size)

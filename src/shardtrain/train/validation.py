@@ -210,3 +210,11 @@ def per_rank(value: Any) -> list[Any]:
     found: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(found, value)
     return found
+
+
+def over_data_ranks(local: int, all_reduce: Any, device: torch.device, dp_size: int, world_size: int) -> int:
+    """Collective: `local` (a count this rank holds, the same on the cp and tp ranks of its data-parallel group)
+    summed over the `dp_size` data-parallel ranks, through `all_reduce` over all `world_size` ranks."""
+    count = torch.tensor([float(local)], dtype=torch.float64, device=device)
+    all_reduce(count)
+    return round(count.item() * dp_size / world_size)

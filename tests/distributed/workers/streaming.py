@@ -6,9 +6,10 @@ transformers' Trainer) and GPT-2 with dropout and tied embeddings (resume).
     python streaming.py ours OUT                  # shardtrain, one process
     torchrun --nproc_per_node 2 streaming.py ours OUT
 
-Writes OUT/<case>.json: per-step losses; for ours with dropout also whether a resume from checkpoint-2 (inside
-the first pass) and from checkpoint-4 (inside the second) gives the losses and the bit-identical final weights
-of the uninterrupted run.
+Writes OUT/<case>.json: per-step losses, and for the plain cases predict() on a 13-sample torch stream and
+`datasets` stream (ours also on the same samples as a list); for ours with dropout also whether a resume from
+checkpoint-2 (inside the first pass) and from checkpoint-4 (inside the second) gives the losses and the bit-
+identical final weights of the uninterrupted run.
 """
 
 import json
@@ -27,12 +28,25 @@ SAMPLES = variable_length_dataset(20)
 
 
 class Stream(IterableDataset):
+    def __init__(self, samples: list[dict] = SAMPLES) -> None:
+        self.samples = samples
+
     def __iter__(self):
-        yield from ({"input_ids": list(s["input_ids"])} for s in SAMPLES)
+        yield from ({"input_ids": list(s["input_ids"])} for s in self.samples)
 
 
-def hf_stream() -> datasets.IterableDataset:
-    return datasets.Dataset.from_list(SAMPLES).to_iterable_dataset(num_shards=2)
+def hf_stream(samples: list[dict] = SAMPLES) -> datasets.IterableDataset:
+    return datasets.Dataset.from_list(samples).to_iterable_dataset(num_shards=2)
+
+
+def predicted(trainer, stream) -> dict:
+    """predict() on a stream of 13 samples (batches of 4; on 2 ranks a short last step): labels, and per row the
+    argmax tokens and the logit sum at its labelled positions."""
+    out = trainer.predict(stream)
+    labels, logits = torch.as_tensor(out.label_ids), torch.as_tensor(out.predictions)
+    keep = labels != -100
+    return {"labels": labels.tolist(), "argmax": [row[k].tolist() for row, k in zip(logits.argmax(-1), keep)],
+            "logit_sums": [float(row[k].sum()) for row, k in zip(logits, keep)], "loss": out.metrics["test_loss"]}
 
 
 def collate(items: list[dict]) -> dict[str, torch.Tensor]:
@@ -55,7 +69,7 @@ def run(name: str, dataset, dropout: float | None, resume: str | None = None, **
     common = dict(output_dir=str(OUT / name), per_device_train_batch_size=per_device, max_steps=6,
                   gradient_accumulation_steps=accumulation, learning_rate=1e-2, lr_scheduler_type="constant",
                   logging_steps=1, report_to="none", disable_tqdm=True, seed=0, save_strategy="steps",
-                  save_steps=2, **extra)
+                  save_steps=2, per_device_eval_batch_size=4, **extra)
     if MODE == "hf":
         import transformers
 
@@ -68,6 +82,12 @@ def run(name: str, dataset, dropout: float | None, resume: str | None = None, **
         args = shardtrain.TrainingArguments(fsdp=True, **common)
         trainer = shardtrain.Trainer(model, args, train_dataset=dataset, data_collator=collate)
     trainer.train(resume_from_checkpoint=resume)
+    result = {}
+    if dropout is None:  # evaluation on streams: a torch one and a datasets one, and the same samples as a list
+        result = {"predict_torch": predicted(trainer, Stream(SAMPLES[:13])),
+                  "predict_datasets": predicted(trainer, hf_stream(SAMPLES[:13]))}
+        if MODE == "ours":
+            result["predict_list"] = predicted(trainer, [dict(s) for s in SAMPLES[:13]])
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     weights = None
     if MODE == "ours":
@@ -75,7 +95,7 @@ def run(name: str, dataset, dropout: float | None, resume: str | None = None, **
 
         weights = full_model_state(trainer.model)
     position = [trainer.state.data_epoch, trainer.state.data_step] if MODE == "ours" else None
-    return {"losses": losses, "weights": weights, "position": position}
+    return {"losses": losses, "weights": weights, "position": position, **result}
 
 
 def main() -> None:
