@@ -1,8 +1,10 @@
-"""report_to through transformers' own integration callbacks, offline: Weights & Biases, MLflow, Trackio and
-TensorBoard each write one run (rank 0 only, of two ranks) holding the losses shardtrain logged."""
+"""report_to through transformers' own integration callbacks, offline: Weights & Biases, MLflow, Trackio,
+TensorBoard, Comet and SwanLab each write one run (rank 0 only, of two ranks) holding the losses shardtrain
+logged."""
 
 import json
 import sqlite3
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,14 +19,17 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("trackers")
     env = worker_env(WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_SILENT="true", HF_HUB_OFFLINE="1",
                      MLFLOW_TRACKING_URI=f"file:{root / 'mlruns'}", MLFLOW_ALLOW_FILE_STORE="true",
-                     TRACKIO_DIR=str(root / "trackio"))
+                     TRACKIO_DIR=str(root / "trackio"), COMET_START_ONLINE="false",
+                     COMET_OFFLINE_DIRECTORY=str(root / "comet"), SWANLAB_MODE="offline",
+                     SWANLAB_LOG_DIR=str(root / "swanlog"))
     torchrun(WORKER, 2, str(root / "out"), env=env)
     return root, read_json(root / "out" / "result.json")
 
 
 def test_each_tracker_is_transformers_callback(run):
     _, result = run
-    assert {"WandbCallback", "MLflowCallback", "TrackioCallback", "TensorBoardCallback"} <= set(result["callbacks"])
+    assert {"WandbCallback", "MLflowCallback", "TrackioCallback", "TensorBoardCallback", "CometCallback",
+            "SwanLabCallback"} <= set(result["callbacks"])
     assert len(result["losses"]) == 3
 
 
@@ -63,3 +68,31 @@ def test_tensorboard_run(run):
     accumulator.Reload()
     logged = [(e.step, e.value) for e in accumulator.Scalars("train/loss")]
     assert logged == [(i + 1, pytest.approx(loss, abs=1e-6)) for i, loss in enumerate(result["losses"])]
+
+
+def test_comet_offline_run(run):
+    root, result = run
+    archives = list((root / "comet").glob("*.zip"))
+    assert len(archives) == 1  # rank 0 only
+    with zipfile.ZipFile(archives[0]) as archive:
+        messages = [json.loads(line) for line in archive.read("messages.json").decode().splitlines() if line]
+    logged = [(m["payload"]["metric"]["step"], m["payload"]["metric"]["metricValue"]) for m in messages
+              if m["type"] == "metric_msg" and m["payload"]["metric"]["metricName"] == "train/loss"]
+    # Comet also records what the TensorBoard callback writes (its SummaryWriter auto-logging): each step once or
+    # twice, always the logged loss
+    assert sorted({step for step, _ in logged}) == [1, 2, 3]
+    assert all(value == pytest.approx(result["losses"][step - 1], abs=1e-6) for step, value in logged)
+
+
+def test_swanlab_offline_run(run):
+    root, result = run
+    runs = list((root / "swanlog").glob("run-*"))
+    assert len(runs) == 1  # rank 0 only
+    data = (runs[0] / "backup.swanlab").read_bytes()  # records: a binary header, then one JSON object
+    decoder, records, start = json.JSONDecoder(strict=False), [], data.find(b'{"model_type"')
+    while start >= 0:
+        records.append(decoder.raw_decode(data[start:].decode("utf-8", errors="replace"))[0])
+        start = data.find(b'{"model_type"', start + 1)
+    logged = [(r["data"]["step"], r["data"]["metric"]["data"]) for r in records
+              if r["model_type"] == "Scalar" and r["data"]["key"] == "train/loss"]
+    assert logged == [(i + 1, pytest.approx(loss, abs=1e-7)) for i, loss in enumerate(result["losses"])]
