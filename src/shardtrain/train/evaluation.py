@@ -53,10 +53,12 @@ def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
 
 
 def _rows(indices: list[int], batch: dict, values: torch.Tensor) -> list[np.ndarray]:
-    """The real rows (index >= 0) of a batch tensor on the host, per-token ones cut at their attention mask's
-    length (so a row does not depend on the padding of the batch it fell into)."""
+    """The real rows (index >= 0) of a batch tensor on the host, per-token ones (as long as the attention mask)
+    cut at their mask's length (so a row does not depend on the padding of the batch it fell into)."""
     values = values.cpu().numpy()
-    lengths = batch["attention_mask"].sum(-1).tolist() if values.ndim > 1 and "attention_mask" in batch else None
+    mask = batch.get("attention_mask")
+    per_token = mask is not None and values.ndim > 1 and values.shape[1] == mask.shape[-1]
+    lengths = mask.sum(-1).tolist() if per_token else None
     return [values[row, :lengths[row]] if lengths is not None else values[row]
             for row, index in enumerate(indices) if index >= 0]
 

@@ -75,17 +75,19 @@ class TrainerAPIMixin:
         """
         loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
         source = getattr(dataloader, SHARED_DATASET, dataloader)
-        output = self._run_prediction(source, metric_key_prefix, with_predictions=not loss_only,
-                                      ignore_keys=ignore_keys, keep_predictions=description == "Prediction"
-                                      or not self.args.batch_eval_metrics)
-        rows = len(source) if source is not dataloader and not is_stream(source) else \
-            len(output.predictions) if output.predictions is not None else output.metrics.get("rows", 0)
+        output, samples = self._run_prediction(source, metric_key_prefix, with_predictions=not loss_only,
+                                               ignore_keys=ignore_keys, keep_predictions=description == "Prediction"
+                                               or not self.args.batch_eval_metrics)
+        if source is dataloader:  # another loader's batches: the rows it gave (counted where predictions are kept)
+            samples = len(output.predictions) if output.predictions is not None else 0
         return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
-                              num_samples=rows)
+                              num_samples=samples)
 
     def _run_prediction(self, dataset: Any, prefix: str, with_predictions: bool,
-                        ignore_keys: list[str] | None = None, keep_predictions: bool = True) -> PredictionOutput:
-        """Evaluate a dataset, or the batches of a loader that is not shardtrain's (see `evaluation_loop`)."""
+                        ignore_keys: list[str] | None = None,
+                        keep_predictions: bool = True) -> tuple[PredictionOutput, int]:
+        """Evaluate a dataset, or the batches of a loader that is not shardtrain's (see `evaluation_loop`); returns
+        the output and the number of samples evaluated."""
         foreign = isinstance(dataset, DataLoader)
         if foreign and (self.dims.cp > 1 or self.dims.tp > 1):
             raise TrainingArgumentsError(
@@ -125,7 +127,7 @@ class TrainerAPIMixin:
         output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=steps))
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
-        return output
+        return output, samples
 
     def _prediction_batch_done(self, steps: int | None) -> None:
         """on_prediction_step; callbacks see a sized `eval_dataloader` (Hugging Face's evaluation bar reads its
