@@ -22,6 +22,10 @@ EXIT_TIMEOUT = "SHARDTRAIN_EXIT_TIMEOUT"  # seconds a finished rank waits at exi
 CPU_ALLOCATOR = "SHARDTRAIN_CPU_ALLOCATOR"  # tuned (default) | default: glibc malloc settings on CPU runs
 GLOO_REDUCE_SCATTER = "SHARDTRAIN_GLOO_REDUCE_SCATTER"  # all_to_all (default) | native: FSDP2's gradient reduction
 
+# torchrun's (`torch.distributed.run`) variables in every worker, read once into the run description (RunSpec)
+WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE = "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # > 0 after a restart (--max_restarts)
+
 TRUE_WORDS = values.TRUE_WORDS
 FALSE_WORDS = ("", *values.FALSE_WORDS)  # set but empty: false
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.train.data import forward_columns
+from shardtrain.train.hp_search import report_agreed
 from shardtrain.train.state import TrainerCallback
 
 
@@ -20,6 +21,7 @@ class HFInternalsMixin:
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
         self.is_in_train = False
         self.hp_name = self.hp_search_backend = self.deepspeed = self.label_smoother = None
+        self._trial = None  # the hyperparameter_search trial train() runs (Hugging Face's _hp_search_setup sets it)
         self.place_model_on_device = self.is_deepspeed_enabled = self.is_fsdp_xla_enabled = False
         self.is_model_parallel = False
         # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
@@ -49,6 +51,22 @@ class HFInternalsMixin:
     @accelerator.setter
     def accelerator(self, value: Any) -> None:
         self.__dict__["_accelerator"] = value
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Hugging Face's hook after a trial's arguments are set: the engine's `accelerator` is rebuilt on next
+        use (from the new arguments); no Accelerate plugin is ever created."""
+        self.__dict__["_accelerator"] = None
+
+    def _report_to_hp_search(self, trial: Any, step: int, metrics: dict[str, float]) -> None:
+        """Hugging Face's: a trial's intermediate objective to its study (which may prune it); on several ranks,
+        rank 0's decision is every rank's (`shardtrain.train.hp_search`)."""
+        def report() -> None:
+            super(HFInternalsMixin, self)._report_to_hp_search(trial, step, metrics)
+
+        if self.world_size == 1 or trial is None or self.hp_search_backend != "optuna":
+            return report()
+        report_agreed(report, rank=self.rank, broadcast=lambda t: self.backend.broadcast(t, src=0),
+                      device=self.device, on_pruned=lambda: self._fire("on_train_end"))
 
     def _set_signature_columns_if_needed(self) -> None:
         """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward

@@ -46,6 +46,7 @@ class StepFlowMixin:
         if (args.eval_strategy == "steps" and step % args.interval("eval_steps", max_steps) == 0) or \
                 (args.eval_strategy == "epoch" and at_epoch_end) or self.control.should_evaluate:
             metrics = self.evaluate()
+            self._report_to_hp_search(self._trial, step, metrics)  # Hugging Face's: a trial's intermediate value
         # as Hugging Face's DefaultFlowCallback: "steps" also saves the last step
         if (args.save_strategy == "steps" and (step % args.interval("save_steps", max_steps) == 0
                                                or step >= max_steps)) or \
@@ -53,7 +54,7 @@ class StepFlowMixin:
                 (args.save_strategy == "best" and self._improves_best(metrics)):
             # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
             self._update_best(metrics, str(Path(args.output_dir) / f"{PREFIX}{step}"))
-            self._save_checkpoint(self.model, None)
+            self._save_checkpoint(self.model, self._trial)
         elif metrics is not None:
             self._update_best(metrics)
 

@@ -43,6 +43,7 @@ from shardtrain.train.data import (
     PaddingCollator,
 )
 from shardtrain.train.hf_internals import HFInternalsMixin
+from shardtrain.train.hp_search import PrunedElsewhere
 from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, tracker_callbacks
 from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer, is_causal_lm
@@ -127,12 +128,19 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.cp = ContextParallel(self.meshes.cp, recompute=args.cp_regather_kv) if self.dims.cp > 1 else None
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
+        self.model_init, self._peft_config = model_init, peft_config
+        if model_init is not None and model is not None:
+            raise TrainingArgumentsError("Trainer got both a model and a model_init function; pass one of them "
+                                         "(model_init builds a fresh model at every train(), as in transformers)")
+        if model_init is not None and any(part is not None for part in optimizers):
+            raise TrainingArgumentsError("Trainer(model_init=..., optimizers=...): the optimizer would belong to a "
+                                         "model that train() replaces; pass optimizer_cls_and_kwargs, or override "
+                                         "create_optimizer_and_scheduler")
         if model is None:
             if model_init is None:
                 raise TrainingArgumentsError("Trainer needs a model or a model_init function")
-            model = model_init()
-        self.model_init = model_init
-        self.model = self._prepare_model(model, peft_config)
+            model = self.call_model_init()
+        self._install_model(model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class if processing_class is not None else tokenizer
         self._validate_samples = data_collator is None and not hasattr(self.processing_class, "pad")
@@ -178,6 +186,21 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
+        self._micro_batches = 1  # of the current optimizer step (training_step sets it)
+        self._check_given_optimizer()
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self.logger = MetricsLogger(args, is_main=self.rank == 0)
+        self.preemption = PreemptionHandler()
+        self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
+        self._set_hf_attributes()
+        self._fire("on_init_end")
+
+    def _install_model(self, model: nn.Module | str) -> None:
+        """Prepare `model` (adapters, parallelism, weights) and build what is bound to it: the loss, the router
+        loss; the step runner and checkpoint manager follow it. `__init__` calls it, and `train()` with each
+        model `model_init` builds."""
+        args = self.args
+        self.model = self.model_wrapped = self._prepare_model(model, self._peft_config)
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
                                    device_type=self.device.type)
         self.loss_computer = LossComputer(self.model, self.device,
@@ -189,16 +212,20 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
                 f"{type(self.model).__name__}, which is trained on its own loss (not a cross entropy shardtrain "
                 "computes); set label_smoothing_factor 0, or smooth the labels in the model's loss")
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
-        self._micro_batches = 1  # of the current optimizer step (training_step sets it)
-        self._check_given_optimizer()
-        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.logger = MetricsLogger(args, is_main=self.rank == 0)
-        self.preemption = PreemptionHandler()
-        self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
-        self._set_hf_attributes()
-        self._fire("on_init_end")
+        self.__dict__.pop("_flop_param_count", None)
         if getattr(self.model, "config", None) is not None:  # as Hugging Face: no KV cache unless asked for (a
             self.model.config.use_cache = args.use_cache  # cache also turns off packed-sequence masks)
+
+    def _reinit_model(self, trial: Any) -> None:
+        """Hugging Face's model re-init at the start of `train()` when the Trainer has a `model_init`: the seed,
+        then a fresh model (given the trial under `hyperparameter_search`), a fresh optimizer and scheduler."""
+        manager = self.__dict__.pop("_checkpoint_manager", None)
+        if manager is not None:  # an async save of the previous model finishes first
+            manager.close()
+        self.model = self.model_wrapped = None  # the previous model's memory is free before the next is built
+        set_seed(self.args.seed)
+        self._install_model(self.call_model_init(trial))
+        self.optimizer, self.lr_scheduler = None, None
 
     # -- setup (the model's parallelism: shardtrain.train.model_setup) --------------------------------
     def _default_collator(self, packed: bool = False) -> Callable:
@@ -219,8 +246,13 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
     def _checkpoints(self) -> CheckpointManager:
         """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""
         manager = getattr(self, "_checkpoint_manager", None)
+        # Hugging Face's run directory: output_dir, or output_dir/run-<trial> under hyperparameter_search
+        root = Path(self._get_output_dir(getattr(self, "_trial", None)))
+        if manager is not None and manager.output_dir != root:
+            manager.close()
+            manager = None
         if manager is None:
-            manager = CheckpointManager(self.args.output_dir, model=self.model, optimizer=self.optimizer,
+            manager = CheckpointManager(root, model=self.model, optimizer=self.optimizer,
                                         scheduler=self.lr_scheduler,
                                         state_dict_type=self.args.fsdp_config.state_dict_type,
                                         save_total_limit=self.args.save_total_limit,
@@ -260,6 +292,10 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """Run the training loop; returns `TrainOutput(global_step, training_loss, metrics)`."""
         args = self.args
+        if self.model_init is not None:
+            self._reinit_model(trial)
+        self._hp_search_setup(trial)  # Hugging Face's: a trial's hyperparameters into args (and self._trial)
+        self._runner = None  # the step runner reads this run's max_grad_norm
         self._validate_inputs()
         resume = self._resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                       else args.resume_from_checkpoint)
@@ -300,6 +336,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
             raise SystemExit(130) from None
         except Preempted as preempted:
             self._checkpoint_and_exit(preempted)
+        except PrunedElsewhere:  # rank 0's study pruned this trial (hp_search.py); rank 0 raised optuna's error
+            return TrainOutput(self.state.global_step, self._loss_total / max(self._loss_steps, 1), {})
         finally:
             if neftune is not None:
                 deactivate_neftune(self.model, neftune)
@@ -323,7 +361,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
     def _checkpoint_and_exit(self, preempted: Preempted) -> None:
         """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""
         if self._saved_step != self.state.global_step:
-            self._save_checkpoint(self.model, None)
+            self._save_checkpoint(self.model, self._trial)
         self._checkpoints().wait()
         if self.rank == 0:
             print(f"warning: {preempted}; wrote {self.args.output_dir}/checkpoint-{self.state.global_step}, exiting "
