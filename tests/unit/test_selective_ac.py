@@ -4,7 +4,6 @@ that it trains exactly like no checkpointing (dropout included). Multi-rank equa
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtrain import TrainingArguments, TrainingArgumentsError
 from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.activation_checkpoint import ForwardResidue, wrap_checkpointing
 from shardtrain.parallel.dims import ParallelDims
@@ -62,7 +62,7 @@ def test_conflicts_hold_for_every_checkpointing_value(tmp_path, value):
     args = TrainingArguments(output_dir=str(tmp_path), fsdp=True,
                              fsdp_config={"xla": True, "xla_fsdp_v2": True, "activation_checkpointing": value})
     with pytest.raises(FSDPConfigError, match="use 'xla_fsdp_grad_ckpt': true"):
-        XlaBackend(args).check(SimpleNamespace(args=args, dims=ParallelDims.resolve(world_size=1)), None)
+        XlaBackend(RunSpec.resolve(args)).check(None, ParallelDims.resolve(world_size=1))
 
 
 def _llama(attn: str) -> LlamaForCausalLM:

@@ -1,10 +1,9 @@
 """The XLA backend's refusals and settings, checked without torch_xla (tests/xla runs the path itself)."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from shardtrain import TrainingArguments
+from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.backend import TrainingBackend, make_backend
 from shardtrain.parallel.dims import ParallelDims
@@ -21,12 +20,12 @@ def _check(args, model=None, **sizes):
     for size in sizes.values():
         world *= size
     dims = ParallelDims.resolve(world_size=world, **sizes)
-    XlaBackend(args).check(SimpleNamespace(args=args, dims=dims), model)
+    XlaBackend(RunSpec.resolve(args)).check(model, dims)
 
 
 def test_backend_follows_fsdp_config(tmp_path):
-    assert type(make_backend(_args(tmp_path))) is XlaBackend
-    plain = TrainingArguments(output_dir=str(tmp_path), fsdp=True)
+    assert type(make_backend(RunSpec.resolve(_args(tmp_path)))) is XlaBackend
+    plain = RunSpec.resolve(TrainingArguments(output_dir=str(tmp_path), fsdp=True))
     assert type(make_backend(plain)) is TrainingBackend and make_backend(plain).name == "fsdp2"
 
 

@@ -5,7 +5,7 @@ what rank / world size mean, wrapping the model, putting a batch on the device, 
 values, the optimizer step and the end of a step, and how checkpoints read the state. `TrainingBackend` itself is FSDP2,
 the default; `XlaBackend` (`shardtrain.parallel.xla`) is chosen by `fsdp_config` `"xla": true`.
 
-    backend = make_backend(args)        # before anything touches a device
+    backend = make_backend(spec)        # a RunSpec; before anything touches a device
     backend.setup()                     # process group / XLA runtime; then backend.rank, world_size, device
 """
 
@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.checkpoint.state_access import TorchStates
+from shardtrain.config.run_spec import RunSpec
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_fsdp
@@ -71,8 +72,8 @@ class TrainingBackend:
     devices_per_process = 1
     state_access: type = TorchStates
 
-    def __init__(self, args: Any) -> None:
-        self.args = args
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
         self.rank, self.world_size, self.device = 0, 1, torch.device("cpu")
 
     @property
@@ -80,24 +81,25 @@ class TrainingBackend:
         """The device type of the process group for host-side agreement (meshes, barriers)."""
         return self.device.type
 
-    def check(self, trainer: Any, model: Any) -> None:
-        """Refuse settings (and a `model`: a module, a path or None) this backend does not support, before the
-        model is touched."""
+    def check(self, model: Any, dims: Any) -> None:
+        """Refuse settings (and a `model`: a module, a path or None) this backend does not support under the
+        `dims` layout, before the model is touched."""
 
     def setup(self) -> None:
-        init_distributed(timeout_s=self.args.ddp_timeout)
+        init_distributed(timeout_s=self.spec.ddp_timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
 
-    def parallelize(self, model: nn.Module, trainer: Any) -> nn.Module:
+    def parallelize(self, model: nn.Module, meshes: Any, dims: Any, *, adapters: bool = False) -> nn.Module:
         """Apply the parallel layout from outside, torchtitan's order: tensor parallel, expert parallel, then
-        activation checkpointing, compile and FSDP per unit (`apply_fsdp`). Uses `trainer`'s `args`, `dims`,
-        `meshes` and compile options. A model sharded before the Trainer (an `FSDPModule`) is kept as it is."""
+        activation checkpointing, compile and FSDP per unit (`apply_fsdp`), on `meshes` (`ParallelDims.build`) as
+        the run description says. A model sharded before the Trainer (an `FSDPModule`) is kept as it is.
+        `adapters`: the model carries LoRA adapters."""
         from shardtrain.errors import TrainingArgumentsError
 
-        args, dims, meshes = trainer.args, trainer.dims, trainer.meshes
-        compile_options = trainer._compile_options()
-        if not args.fsdp_enabled:
+        spec = self.spec
+        compile_options = spec.compile_options
+        if spec.fsdp is None:
             model.to(self.device)
             if compile_options:  # no FSDP units: the whole model is one graph
                 model.compile(**compile_options)
@@ -112,12 +114,12 @@ class TrainingBackend:
                     "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
                     "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
             return model
-        source = self._weight_source(model, args.fsdp_config.cpu_ram_efficient_loading)
+        source = self._weight_source(model, spec.fsdp.cpu_ram_efficient_loading)
         full_state = model.state_dict() if source == RANK0 and self.rank == 0 else {}  # the unsharded tensors
         if not has_meta_tensors(model):
             model.to(self.device)
-        apply_parallelism(model, meshes, dims, args.fsdp_config, tp_plan=args.tp_plan,
-                          mixed_precision=args.mixed_precision, compile_options=compile_options)
+        apply_parallelism(model, meshes, dims, spec.fsdp, tp_plan=spec.tp_plan, mixed_precision=spec.mixed_precision,
+                          compile_options=compile_options)
         if isinstance(source, tuple):  # every rank reads its shards from the directory
             read_from_source(model, *source, self.device)
         elif source == RANK0:
@@ -196,10 +198,11 @@ class TrainingBackend:
 
 
 
-def make_backend(args: Any) -> TrainingBackend:
-    """The backend `args` ask for: XLA when fsdp is on and `fsdp_config` sets `"xla": true`, else FSDP2."""
-    if args.fsdp_enabled and args.fsdp_config.xla:
+def make_backend(spec: RunSpec) -> TrainingBackend:
+    """The backend the run description asks for: XLA when fsdp is on and `fsdp_config` sets `"xla": true`, else
+    FSDP2."""
+    if spec.xla:
         from shardtrain.parallel.xla import XlaBackend
 
-        return XlaBackend(args)
-    return TrainingBackend(args)
+        return XlaBackend(spec)
+    return TrainingBackend(spec)

@@ -248,7 +248,7 @@ def _exit_rendezvous(timeout_s: float) -> bool:
     a peer did not come or the store is gone. Store-based, so a timeout leaves nothing queued on gloo."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        key = f"shardtrain/exit/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}"
+        key = f"shardtrain/exit/{os.environ.get(env.RESTART_COUNT, '0')}/{_generation}"
         if store.add(f"{key}/arrived", 1) == dist.get_world_size():
             store.set(f"{key}/all", "1")
         store.wait([f"{key}/all"], timedelta(seconds=timeout_s))

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
+from shardtrain.config import env
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.activation_checkpoint import wrap_checkpointing
@@ -214,7 +215,7 @@ def apply_fsdp(
         raise RuntimeError("apply_fsdp needs a process group: call shardtrain.init_distributed() first")
     if mesh is None:  # data parallel over every rank, as the config's sharding strategy says
         dims = ParallelDims.resolve(world_size=dist.get_world_size(), fsdp_config=config,
-                                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+                                    local_world_size=int(os.environ.get(env.LOCAL_WORLD_SIZE, dist.get_world_size())))
         mesh = dims.build(current_device().type).fsdp
     precision = mixed_precision or config.mixed_precision
     mp_policy = MixedPrecisionPolicy()

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.backend import TrainingBackend
 from shardtrain.parallel.fsdp import find_fsdp_units
@@ -88,9 +89,9 @@ class XlaBackend(TrainingBackend):
     state_access = XlaStates
     host_device_type = "cpu"  # host-side process group (barriers, agreement on errors): gloo
 
-    def __init__(self, args: Any) -> None:
-        super().__init__(args)
-        self.config: FSDPConfig = args.fsdp_config
+    def __init__(self, spec: RunSpec) -> None:
+        super().__init__(spec)
+        self.config: FSDPConfig = spec.fsdp
         self.spmd = bool(self.config.xla_fsdp_v2)
         self.mesh = None
 
@@ -99,7 +100,7 @@ class XlaBackend(TrainingBackend):
             raise FSDPConfigError("fsdp_config sets 'xla': true but torch_xla is not installed; install torch_xla "
                                   "(bash scripts/setup_xla.sh makes a venv with it), or set 'xla': false to use "
                                   "FSDP2 on CPU/GPU")
-        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        processes = self.spec.world_size
         if processes > 1:
             raise FSDPConfigError(
                 f"fsdp_config 'xla': true runs as one process, but WORLD_SIZE is {processes}: SPMD "
@@ -113,7 +114,7 @@ class XlaBackend(TrainingBackend):
             xr.use_spmd()  # before the first XLA tensor
         super().setup()  # a one-process gloo group for the host side
         self.device = torch_xla.device()
-        xm.set_rng_state(self.args.seed)
+        xm.set_rng_state(self.spec.seed)
         register_xla_rng()
         if self.spmd:
             import torch_xla.distributed.spmd as xs
@@ -123,30 +124,30 @@ class XlaBackend(TrainingBackend):
             self.mesh = xs.Mesh(np.arange(count), (count, 1), ("fsdp", "tensor"))
             xs.set_global_mesh(self.mesh)
 
-    def check(self, trainer: Any, model: Any) -> None:
+    def check(self, model: Any, dims: Any) -> None:
         """Refuse what the XLA path does not do, naming the setting and the fix (before the model is touched)."""
         if isinstance(model, str | os.PathLike):
             raise FSDPConfigError("fsdp_config 'xla': true needs a model object: load it first (e.g. "
                                   "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
-        args, dims = trainer.args, trainer.dims
+        spec = self.spec
         problems = [f"{name} = {size}" for name, size in (("tp_size", dims.tp), ("cp_size", dims.cp),
                                                          ("ep_size", dims.ep)) if size > 1]
-        if args.torch_compile:
+        if spec.compile_options is not None:
             problems.append("torch_compile = True (XLA compiles every step's graph itself)")
         if self.config.cpu_offload:
             problems.append("fsdp_config 'cpu_offload'")
         if self.config.activation_checkpointing:
             problems.append("fsdp_config 'activation_checkpointing' (use 'xla_fsdp_grad_ckpt': true)")
-        if args.save_async:
+        if spec.save_async:
             problems.append("save_async = True")
-        if args.mixed_precision != "no":
-            problems.append(f"{args.mixed_precision} = True (v1: set xla_fsdp_settings compute_dtype)")
+        if spec.mixed_precision != "no":
+            problems.append(f"{spec.mixed_precision} = True (v1: set xla_fsdp_settings compute_dtype)")
         if problems:
             raise FSDPConfigError(f"fsdp_config 'xla': true does not support {', '.join(problems)}; remove it, "
                                   "or set 'xla': false to train with FSDP2")
 
-    def parallelize(self, model: nn.Module, trainer: Any) -> nn.Module:
-        if trainer._frozen_base is not None:
+    def parallelize(self, model: nn.Module, meshes: Any, dims: Any, *, adapters: bool = False) -> nn.Module:
+        if adapters:
             raise FSDPConfigError("fsdp_config 'xla': true with LoRA adapters is not supported yet; train "
                                   "adapters with FSDP2 ('xla': false)")
         settings = xla_settings(self.config)

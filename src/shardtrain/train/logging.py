@@ -16,7 +16,6 @@ from tqdm.auto import tqdm
 from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback
 
 from shardtrain.errors import TrainingArgumentsError
-from shardtrain.train.arguments import TrainingArguments
 
 
 def memory_kind() -> str:
@@ -73,8 +72,8 @@ class MetricsLogger:
     """Writes every log entry to `output_dir/metrics.jsonl` on rank 0 (trackers are transformers' integration
     callbacks: `tracker_callbacks`), and measures tokens per second."""
 
-    def __init__(self, args: TrainingArguments, is_main: bool) -> None:
-        self.args, self.is_main = args, is_main
+    def __init__(self, output_dir: str | Path, is_main: bool) -> None:
+        self.output_dir, self.is_main = Path(output_dir), is_main
         self.tokens = self.tokens_at_start = 0
         self.started = time.perf_counter()
         self.last_logs: dict[str, Any] = {}
@@ -93,14 +92,14 @@ class MetricsLogger:
         self.last_logs.update(entry)
         if not self.is_main:
             return
-        path = Path(self.args.output_dir) / "metrics.jsonl"  # always written, whatever report_to says
+        path = self.output_dir / "metrics.jsonl"  # always written, whatever report_to says
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as handle:
             handle.write(json.dumps(entry) + "\n")
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics.jsonl lines of steps after `step`: a resumed run logs those steps again."""
-        path = Path(self.args.output_dir) / "metrics.jsonl"
+        path = self.output_dir / "metrics.jsonl"
         if not path.is_file():
             return
         kept = []

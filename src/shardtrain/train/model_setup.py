@@ -1,6 +1,7 @@
 """How the Trainer prepares its model and batches for the parallel layout: adapters (LoRA), context
 parallelism, tensor parallelism, FSDP, in that order, and each batch's split over the `cp` ranks. Part of
-`Trainer`: it uses the Trainer's `args`, `dims`, `meshes`, `cp`, `loss`, `device` and `world_size`."""
+`Trainer`: it uses the Trainer's run description (`spec`), `dims`, `meshes`, `cp`, `loss`, `device` and
+`world_size`."""
 
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ class ModelSetupMixin:
     """`_prepare_model` (once, in `Trainer.__init__`) and `_model_inputs` (every batch)."""
 
     def _prepare_model(self, model: nn.Module | str, peft_config: Any = None) -> nn.Module:
-        args = self.args
-        config = args.fsdp_config
+        spec = self.spec
         self._frozen_base = None  # adapter training: the base's identity, recorded in checkpoints
         if peft_config is not None:
             if isinstance(model, str | os.PathLike):
@@ -46,20 +46,17 @@ class ModelSetupMixin:
                 raise PeftError(f"{name} = {size} with LoRA adapters is not supported yet; train the adapters "
                                 f"with data (and context) parallelism, {name} 1")
         if isinstance(model, str | os.PathLike):
-            compile_options = self._compile_options()
-            model = load_pretrained(model, config if args.fsdp_enabled else None, mesh=self.meshes.fsdp,
-                                    mixed_precision=args.mixed_precision, device=self.device,
-                                    compile_options=compile_options,
+            model = load_pretrained(model, spec.fsdp, mesh=self.meshes.fsdp, mixed_precision=spec.mixed_precision,
+                                    device=self.device, compile_options=spec.compile_options,
                                     parallelize=lambda m: apply_parallelism(
-                                        m, self.meshes, self.dims, config, tp_plan=args.tp_plan,
-                                        mixed_precision=args.mixed_precision, compile_options=compile_options))
+                                        m, self.meshes, self.dims, spec.fsdp, tp_plan=spec.tp_plan,
+                                        mixed_precision=spec.mixed_precision, compile_options=spec.compile_options))
             self._enable_context_parallel(model)
             return model
         self._enable_context_parallel(model)
-        if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            kwargs = {"use_reentrant": False, **args.gradient_checkpointing_kwargs}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return self.backend.parallelize(model, self)
+        if spec.gradient_checkpointing is not None and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(spec.gradient_checkpointing))
+        return self.backend.parallelize(model, self.meshes, self.dims, adapters=self._frozen_base is not None)
 
     def _parallelize_side_models(self) -> None:
         """A library's frozen extra models (TRL's `ref_model`, `teacher_model`, ...) sharded like the trained one,
@@ -68,15 +65,7 @@ class ModelSetupMixin:
             side = getattr(self, name, None)
             if isinstance(side, nn.Module) and side is not self.model and not self.backend.is_sharded(side):
                 side.requires_grad_(False)
-                setattr(self, name, self.backend.parallelize(side, self).eval())
-
-    def _compile_options(self) -> dict[str, Any] | None:
-        """`torch.compile` options from TrainingArguments (Hugging Face's names); None when compile is off."""
-        args = self.args
-        if not args.torch_compile:
-            return None
-        return {"backend": args.torch_compile_backend or "inductor",
-                **({"mode": args.torch_compile_mode} if args.torch_compile_mode else {})}
+                setattr(self, name, self.backend.parallelize(side, self.meshes, self.dims).eval())
 
     def _enable_context_parallel(self, model: nn.Module) -> None:
         if self.cp is None:

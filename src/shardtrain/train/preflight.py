@@ -3,7 +3,6 @@ the datasets and arguments can be trained on (every rank raises the same error, 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +12,6 @@ from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, Ch
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
 from shardtrain.train.streaming import is_stream
 from shardtrain.train.validation import ModelLimits, validate_dataset
-
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker; > 0 after a restart
 
 
 class PreflightMixin:
@@ -27,7 +24,7 @@ class PreflightMixin:
         continues from the newest checkpoint without any logic in the script. Rank 0 chooses (skipping
         damaged checkpoints with a warning) and every rank loads the same one.
         """
-        if resume is None and int(os.environ.get(RESTART_COUNT_ENV, "0") or 0) > 0:
+        if resume is None and self.spec.restart_count > 0:
             resume = "auto"
         if resume in (None, False):
             return None

@@ -31,6 +31,7 @@ from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
+from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import DataError, OutputDirError, TrainingArgumentsError, install_error_hook
 from shardtrain.parallel.backend import make_backend
 from shardtrain.parallel.context import ContextParallel
@@ -115,17 +116,17 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.args = args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
             os.environ[env.CPU] = env.true_word(True)
-        self.backend = make_backend(args)  # FSDP2, or PyTorch/XLA with fsdp_config "xla": true
+        # the run description: arguments, launcher environment and parallel sizes, resolved once (config/run_spec.py)
+        self.spec = spec = RunSpec.resolve(args)
+        self.backend = make_backend(spec)  # FSDP2, or PyTorch/XLA with fsdp_config "xla": true
         self.backend.setup()
         self.rank, self.world_size, self.device = self.backend.rank, self.backend.world_size, self.backend.device
-        self.dims = ParallelDims.resolve(
-            world_size=self.world_size, fsdp_config=args.fsdp_config if args.fsdp_enabled else None,
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)),
-            **{name.removesuffix("_size"): size for name, size in args.parallel_sizes.items()})
+        self.dims = ParallelDims.resolve(world_size=self.world_size, fsdp_config=spec.fsdp,
+                                         local_world_size=spec.local_world_size or self.world_size, **spec.sizes)
         self.meshes = self.dims.build(self.backend.host_device_type)
-        self.backend.check(self, model)
+        self.backend.check(model, self.dims)
         self.dp_rank = self.dims.rank_coords(self.rank)["batch"]  # which samples this rank sees
-        self.cp = ContextParallel(self.meshes.cp, recompute=args.cp_regather_kv) if self.dims.cp > 1 else None
+        self.cp = ContextParallel(self.meshes.cp, recompute=spec.cp_regather_kv) if self.dims.cp > 1 else None
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
         self.model_init, self._peft_config = model_init, peft_config
@@ -189,7 +190,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self._micro_batches = 1  # of the current optimizer step (training_step sets it)
         self._check_given_optimizer()
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        self.logger = MetricsLogger(args, is_main=self.rank == 0)
+        self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self._set_hf_attributes()

@@ -1,0 +1,63 @@
+"""The run description (`config/run_spec.py`): resolved once from the arguments and the launcher's environment,
+frozen, and independent of later changes to either; and the package's layers import downwards only."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from shardtrain import TrainingArguments
+from shardtrain.config import env
+from shardtrain.config.run_spec import RunSpec
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "shardtrain"
+
+
+def test_resolved_from_arguments_and_the_launchers_environment(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, cp_size=2, bf16=True, torch_compile=True,
+                             gradient_checkpointing=False, ddp_timeout=77, tp_plan={"model.layers.*.mlp": "colwise"})
+    spec = RunSpec.resolve(args, {env.WORLD_SIZE: "4", env.LOCAL_WORLD_SIZE: "2", env.RESTART_COUNT: "3"})
+    assert spec.output_dir == tmp_path and spec.fsdp_enabled and not spec.xla
+    assert spec.sizes["cp"] == 2 and spec.world_size == 4 and spec.local_world_size == 2 and spec.restart_count == 3
+    assert spec.mixed_precision == "bf16" and spec.ddp_timeout == 77 and spec.gradient_checkpointing is None
+    assert dict(spec.compile_options) == {"backend": "inductor"}
+    assert dict(spec.tp_plan) == {"model.layers.*.mlp": "colwise"}
+    unlaunched = RunSpec.resolve(args, {})
+    assert unlaunched.world_size == 1 and unlaunched.local_world_size is None and unlaunched.restart_count == 0
+
+
+def test_frozen_and_independent_of_later_changes(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, gradient_checkpointing=True)
+    spec = RunSpec.resolve(args, {})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.output_dir = Path("elsewhere")
+    with pytest.raises(TypeError):
+        spec.gradient_checkpointing["use_reentrant"] = True
+    assert dict(spec.gradient_checkpointing) == {"use_reentrant": False}
+    args.fsdp_config.cpu_offload = True  # the arguments change after the Trainer read them: the run does not
+    assert spec.fsdp.cpu_offload is False
+    assert RunSpec.resolve(TrainingArguments(output_dir=str(tmp_path)), {}).fsdp is None
+
+
+# each layer may import the ones after it in this list, never one before it
+LAYERS = ["cli", "plan", "train", "checkpoint", "parallel", "config"]
+ALLOWED = {("checkpoint", "parallel"), ("parallel", "checkpoint")}  # the backend seam: states <-> distributed set-up
+
+
+def test_lower_layers_never_import_upper_ones():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        layer = path.relative_to(PACKAGE).parts[0]
+        if layer not in LAYERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != "shardtrain" or len(parts) < 2 or parts[1] not in LAYERS:
+                    continue
+                if LAYERS.index(parts[1]) < LAYERS.index(layer) and (layer, parts[1]) not in ALLOWED:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert wrong == []
