@@ -88,11 +88,12 @@ def test_swanlab_offline_run(run):
     root, result = run
     runs = list((root / "swanlog").glob("run-*"))
     assert len(runs) == 1  # rank 0 only
-    data = (runs[0] / "backup.swanlab").read_bytes()  # records: a binary header, then one JSON object
-    decoder, records, start = json.JSONDecoder(strict=False), [], data.find(b'{"model_type"')
-    while start >= 0:
-        records.append(decoder.raw_decode(data[start:].decode("utf-8", errors="replace"))[0])
-        start = data.find(b'{"model_type"', start + 1)
+    # swanlab's own reader of its backup (a LevelDB-style log: a record may be split over 32 KiB blocks)
+    from swanlab.data.porter.datastore import DataStore
+
+    store = DataStore()
+    store.open_for_scan(str(runs[0] / "backup.swanlab"))
+    records = [json.loads(record) for record in store]
     logged = [(r["data"]["step"], r["data"]["metric"]["data"]) for r in records
               if r["model_type"] == "Scalar" and r["data"]["key"] == "train/loss"]
     assert logged == [(i + 1, pytest.approx(loss, abs=1e-7)) for i, loss in enumerate(result["losses"])]

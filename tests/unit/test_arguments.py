@@ -140,3 +140,13 @@ def test_logging_nan_inf_filter_follows_transformers_accumulation():
 
     assert nan_inf_filtered([1.0, 3.0, float("nan")]) == [1.0, 3.0, 4.0 / 3]
     assert nan_inf_filtered([float("inf"), 2.0]) == [0.0, 2.0]
+
+
+def test_batch_eval_metrics_needs_a_compute_result_argument(tmp_path):
+    from shardtrain.train.argument_checks import check_compute_metrics
+
+    args = TrainingArguments(output_dir=str(tmp_path), batch_eval_metrics=True)
+    with pytest.raises(TrainingArgumentsError, match="batch_eval_metrics = True .*compute_result"):
+        check_compute_metrics(args, lambda prediction: {})
+    check_compute_metrics(args, lambda prediction, compute_result: {})
+    check_compute_metrics(TrainingArguments(output_dir=str(tmp_path)), lambda prediction: {})

@@ -148,7 +148,7 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
 
         require_peft()  # a clear error when peft is missing
     for size_name, size in (("tp", tp), ("ep", ep)):
-        if lora_rank and size > 1:  # as the Trainer (train/model_setup.py)
+        if lora_rank and size > 1:  # as the Trainer (train/model_preparation.py)
             raise PlanError(f"lora_rank = {lora_rank} with {size_name} = {size}: the Trainer does not train LoRA "
                             f"adapters with {size_name}_size > 1 yet; plan the adapters with data (and context) "
                             f"parallelism, {size_name} = 1")

@@ -36,6 +36,16 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+def check_compute_metrics(args: Any, compute_metrics: Any) -> None:
+    """`batch_eval_metrics` calls `compute_metrics(EvalPrediction, compute_result)`: it must take that argument."""
+    import inspect
+
+    if args.batch_eval_metrics and compute_metrics is not None and \
+            "compute_result" not in inspect.signature(compute_metrics).parameters:
+        fail("batch_eval_metrics", "= True calls compute_metrics after every batch with compute_result=True on "
+             "the last; give compute_metrics a compute_result argument (it returns the summary when that is True)")
+
+
 def fail(name: str, message: str) -> None:
     """Raise the one error for field `name`: "TrainingArguments.<name> <message>"."""
     raise TrainingArgumentsError(f"TrainingArguments.{name} {message}")

@@ -44,6 +44,19 @@ def scalar_logs(logs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def rank0_trackers(report_to: list[str], rank: int) -> list[TrainerCallback]:
+    """`tracker_callbacks` on rank 0 (none elsewhere); a tracker that cannot start raises on every rank."""
+    from shardtrain.train.validation import agree
+
+    problem, trackers = None, []
+    try:
+        trackers = tracker_callbacks(report_to) if rank == 0 else []
+    except TrainingArgumentsError as err:
+        problem = str(err)
+    agree(problem, TrainingArgumentsError)
+    return trackers
+
+
 def tracker_callbacks(report_to: list[str]) -> list[TrainerCallback]:
     """transformers' integration callbacks for `report_to` (Weights & Biases, MLflow, Trackio, TensorBoard, ...),
     each fed `scalar_logs` of every entry so that none warns about shardtrain's list- and text-valued keys.

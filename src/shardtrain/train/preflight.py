@@ -1,8 +1,11 @@
-"""What the Trainer checks and decides before its first step: which checkpoint to resume from, and whether
-the datasets and arguments can be trained on (every rank raises the same error, before anything changes)."""
+"""What the Trainer checks and decides before its first step: which checkpoint to resume from (`resolve_resume`),
+and whether the datasets and arguments can be trained on (`DatasetChecks`, `check_training_inputs`). Every rank
+raises the same error, before anything changes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -10,55 +13,96 @@ import torch
 
 from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, CheckpointManager
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
-from shardtrain.train.streaming import is_stream
 from shardtrain.train.validation import ModelLimits, validate_dataset
 
 
-class PreflightMixin:
-    """Part of `Trainer`: resume resolution and input validation."""
+def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart_count: int, fsdp_enabled: bool,
+                   rank: int, broadcast: Callable[[torch.Tensor], None], device: torch.device) -> Path | None:
+    """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
 
-    def _resolve_resume(self, resume: str | bool | None) -> Path | None:
-        """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
-
-        None under a torchrun restart (`TORCHELASTIC_RESTART_COUNT` > 0) means "auto", so `--max_restarts`
-        continues from the newest checkpoint without any logic in the script. Rank 0 chooses (skipping
-        damaged checkpoints with a warning) and every rank loads the same one.
-        """
-        if resume is None and self.spec.restart_count > 0:
-            resume = "auto"
-        if resume in (None, False):
+    None under a torchrun restart (`restart_count` > 0) means "auto", so `--max_restarts` continues from the
+    newest checkpoint without any logic in the script. Rank 0 chooses (skipping damaged checkpoints with a
+    warning) and `broadcast`s its choice, so every rank loads the same one.
+    """
+    if resume is None and restart_count > 0:
+        resume = "auto"
+    if resume in (None, False):
+        return None
+    if resume is True or resume == "auto":
+        chosen, warnings = CheckpointManager.resumable(output_dir) if rank == 0 else (None, [])
+        step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64,
+                            device=device)  # (broadcasting a copy would leave the other ranks at -1)
+        broadcast(step)
+        for line in warnings:
+            print(f"warning: {line}", flush=True)
+        if int(step.item()) >= 0:
+            path = Path(output_dir) / f"{PREFIX}{int(step.item())}"
+            if rank == 0:
+                print(f"Resuming from {path}", flush=True)
+            return path
+        if resume == "auto":
             return None
-        if resume is True or resume == "auto":
-            chosen, warnings = CheckpointManager.resumable(self.args.output_dir) if self.rank == 0 else (None, [])
-            step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64,
-                                device=self.device)  # (broadcasting a copy would leave the other ranks at -1)
-            self.backend.broadcast(step, src=0)
-            for line in warnings:
-                if self.rank == 0:
-                    print(f"warning: {line}", flush=True)
-            if int(step.item()) >= 0:
-                path = Path(self.args.output_dir) / f"{PREFIX}{int(step.item())}"
-                if self.rank == 0:
-                    print(f"Resuming from {path}", flush=True)
-                return path
-            if resume == "auto":
-                return None
-            raise CheckpointError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete, "
-                                  "undamaged checkpoint-<step>; use resume_from_checkpoint='auto' to start fresh "
-                                  "when there is none, or pass a path")
-        path = Path(resume)
-        if not path.is_dir():
-            raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory; pass a "
-                                  f"checkpoint-<step> directory, True, or 'auto'")
-        if not self.args.fsdp_enabled and ((path / SHARDED_DIR).is_dir() or (path / OPTIMIZER_DIR).is_dir()):
-            raise CheckpointError(f"{path} is an FSDP checkpoint but FSDP is off; resume with "
-                                  "TrainingArguments(fsdp=True) (and the same fsdp_config)")
-        return path
+        raise CheckpointError(f"resume_from_checkpoint=True but {output_dir} has no complete, undamaged "
+                              "checkpoint-<step>; use resume_from_checkpoint='auto' to start fresh when there is "
+                              "none, or pass a path")
+    path = Path(resume)
+    if not path.is_dir():
+        raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory; pass a "
+                              f"checkpoint-<step> directory, True, or 'auto'")
+    if not fsdp_enabled and ((path / SHARDED_DIR).is_dir() or (path / OPTIMIZER_DIR).is_dir()):
+        raise CheckpointError(f"{path} is an FSDP checkpoint but FSDP is off; resume with "
+                              "TrainingArguments(fsdp=True) (and the same fsdp_config)")
+    return path
 
-    def _report_unused_columns(self, dataset: Any, which: str) -> None:
-        """Say once which columns `remove_unused_columns` drops (Hugging Face's log line). Rank 0 only, so it
-        must never raise (a peer would wait for rank 0 in the next collective)."""
-        if self._keep_columns is None or self.rank != 0:
+
+def check_training_inputs(args: Any, *, train_dataset: Any, eval_dataset: Any, cp_size: int,
+                          custom_loss: bool) -> None:
+    """The datasets `train()` needs for `args`, and a loss that context parallelism can split."""
+    if train_dataset is None:
+        raise DataError("Trainer.train() needs a train_dataset; pass Trainer(..., train_dataset=...)")
+    if args.eval_strategy != "no" and eval_dataset is None:
+        raise DataError(f"TrainingArguments.eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass "
+                        "Trainer(..., eval_dataset=...) or set eval_strategy='no'")
+    if args.load_best_model_at_end and eval_dataset is None:
+        raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
+                        "checkpoint; pass Trainer(..., eval_dataset=...)")
+    if cp_size > 1 and custom_loss:
+        raise TrainingArgumentsError(
+            f"cp_size = {cp_size} with a custom compute_loss / compute_loss_func: under context parallelism "
+            "each rank holds part of every sequence and gets labels already shifted (batch key 'shift_labels'), "
+            "which a loss written for whole sequences would get wrong; use the default loss or cp_size 1")
+
+
+@dataclass(kw_only=True)
+class DatasetChecks:
+    """Each dataset checked before it is used (`validate_dataset`: collective, every rank raises together), and
+    the columns `remove_unused_columns` drops named once (Hugging Face's log line).
+
+    Attributes:
+        rank, device: this process and where the check's agreement runs.
+        check_samples: check each sample's fields (False when a collator of the user's or a tokenizer pads).
+        keep_columns: the columns `remove_unused_columns` keeps, or None (all).
+    """
+
+    rank: int
+    device: torch.device
+    check_samples: bool
+    keep_columns: frozenset[str] | None = None
+    checked: set[int] = field(default_factory=set)  # ids of the datasets checked
+
+    def check(self, dataset: Any, name: str, limits: ModelLimits, *, need_targets: bool, again: bool = False) -> None:
+        """Raise `DataError` on every rank when `dataset` cannot be used; a dataset already checked is skipped
+        unless `again` (train() checks its datasets at every call)."""
+        if id(dataset) in self.checked and not again:
+            return
+        validate_dataset(dataset, name=name, limits=limits, check_samples=self.check_samples,
+                         need_targets=need_targets, device=self.device)
+        self.checked.add(id(dataset))
+
+    def report_unused_columns(self, dataset: Any, which: str, model_name: str) -> None:
+        """Say which columns `remove_unused_columns` drops. Rank 0 only, so it must never raise (a peer would wait
+        for rank 0 in the next collective)."""
+        if self.keep_columns is None or self.rank != 0:
             return
         try:
             names = getattr(dataset, "column_names", None)
@@ -67,34 +111,7 @@ class PreflightMixin:
                 names = list(first) if isinstance(first, dict) else []
         except Exception:  # noqa: BLE001 - only a log line; the dataset checks report real problems
             return
-        dropped = sorted(set(names or []) - self._keep_columns)
+        dropped = sorted(set(names or []) - self.keep_columns)
         if dropped:
             print(f"The following columns in the {which} set don't have a corresponding argument in "
-                  f"`{type(self.model).__name__}.forward` and have been ignored: {', '.join(dropped)}.", flush=True)
-
-    def _validate_inputs(self) -> None:
-        """Everything that can be checked before the first step (collective: every rank raises together)."""
-        args = self.args
-        if self.train_dataset is None:
-            raise DataError("Trainer.train() needs a train_dataset; pass Trainer(..., train_dataset=...)")
-        if args.eval_strategy != "no" and self.eval_dataset is None:
-            raise DataError(f"TrainingArguments.eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass "
-                            "Trainer(..., eval_dataset=...) or set eval_strategy='no'")
-        if args.load_best_model_at_end and self.eval_dataset is None:
-            raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
-                            "checkpoint; pass Trainer(..., eval_dataset=...)")
-        if self.cp is not None and self._custom_loss:
-            raise TrainingArgumentsError(
-                f"cp_size = {self.dims.cp} with a custom compute_loss / compute_loss_func: under context parallelism "
-                "each rank holds part of every sequence and gets labels already shifted (batch key 'shift_labels'), "
-                "which a loss written for whole sequences would get wrong; use the default loss or cp_size 1")
-        limits = ModelLimits.of(self.model, self.loss_computer.shift_labels)
-        if not is_stream(self.train_dataset):  # a stream is checked as it is read (its samples are not indexable)
-            validate_dataset(self.train_dataset, name="train_dataset", limits=limits,
-                             check_samples=self._validate_samples, need_targets=True, device=self.device)
-            self._report_unused_columns(self.train_dataset, "training")  # after: the dataset is known readable
-            self._validated.add(id(self.train_dataset))
-        if self.eval_dataset is not None and args.eval_strategy != "no":
-            validate_dataset(self.eval_dataset, name="eval_dataset", limits=limits,
-                             check_samples=self._validate_samples, need_targets=False, device=self.device)
-            self._validated.add(id(self.eval_dataset))
+                  f"`{model_name}.forward` and have been ignored: {', '.join(dropped)}.", flush=True)

@@ -11,7 +11,6 @@ Callbacks are transformers' (`TrainerCallback`, `TrainerState`, `TrainerControl`
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import random
@@ -36,32 +35,32 @@ from shardtrain.errors import DataError, OutputDirError, TrainingArgumentsError,
 from shardtrain.parallel.backend import make_backend
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
+from shardtrain.train.argument_checks import check_compute_metrics
 from shardtrain.train.arguments import TrainingArguments
 from shardtrain.train.chunked_loss import resolve_chunk_size
+from shardtrain.train.collation import Collators
 from shardtrain.train.data import (
     BatchPlan,
-    ColumnFilter,
-    PaddingCollator,
 )
 from shardtrain.train.hf_internals import HFInternalsMixin
 from shardtrain.train.hp_search import PrunedElsewhere
-from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, tracker_callbacks
+from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, rank0_trackers
 from shardtrain.train.lora import adapter_files
-from shardtrain.train.loss import LossComputer, is_causal_lm
-from shardtrain.train.model_setup import ModelSetupMixin
+from shardtrain.train.loss import LossComputer
+from shardtrain.train.model_preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.optimizer_setup import OptimizerSetupMixin
-from shardtrain.train.packing import check_packing, packing_collator
+from shardtrain.train.packing import check_packing
 from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
-from shardtrain.train.preflight import PreflightMixin
+from shardtrain.train.preflight import DatasetChecks, check_training_inputs, resolve_resume
 from shardtrain.train.router_loss import RouterLoss
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step_flow import StepFlowMixin
-from shardtrain.train.streaming import StreamPlan, check_stream_arguments
+from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
 from shardtrain.train.trainer_api import TrainerAPIMixin
 from shardtrain.train.training_data import TrainingData
 from shardtrain.train.training_step import TrainingStepMixin
 from shardtrain.train.user_loader import LoaderPlan
-from shardtrain.train.validation import agree, writable_problem
+from shardtrain.train.validation import ModelLimits, agree, writable_problem
 
 
 def set_seed(seed: int) -> None:
@@ -70,8 +69,8 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSetupMixin, PreflightMixin, StepFlowMixin,
-              TrainerAPIMixin, transformers.Trainer):
+class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlowMixin, TrainerAPIMixin,
+              transformers.Trainer):
     """A `transformers.Trainer` whose job runs on shardtrain's FSDP2 engine (see module docstring).
 
     The constructor is Hugging Face's (same arguments, same attributes); it does not build Accelerate's
@@ -127,6 +126,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self.backend.check(model, self.dims)
         self.dp_rank = self.dims.rank_coords(self.rank)["batch"]  # which samples this rank sees
         self.cp = ContextParallel(self.meshes.cp, recompute=spec.cp_regather_kv) if self.dims.cp > 1 else None
+        self.preparation = ModelPreparation(spec=spec, backend=self.backend, dims=self.dims, meshes=self.meshes,
+                                            cp=self.cp)
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
         self.model_init, self._peft_config = model_init, peft_config
@@ -144,45 +145,34 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self._install_model(model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class if processing_class is not None else tokenizer
-        self._validate_samples = data_collator is None and not hasattr(self.processing_class, "pad")
         if args.pack_sequences:
             check_packing(self.model, data_collator, use_cache=args.use_cache)
-        self.data_collator = data_collator or self._default_collator(packed=args.pack_sequences)
-        # packing is for training: evaluation and prediction keep one row per sample
-        self._unpacked_collator = self._default_collator(packed=False) if args.pack_sequences else None
         # Hugging Face's remove_unused_columns: the columns `_set_signature_columns_if_needed` names (a library's
         # override, e.g. TRL's, keeps the ones its collator needs)
         self._signature_columns: list[str] | None = None
-        self._keep_columns = None
+        keep_columns = None
         # a library that builds its own dataloaders (sentence-transformers) keeps the columns its collator reads
         owns_loading = not self.labels_from_inputs and self._overrides_train_loader
         if args.remove_unused_columns and not owns_loading:
             self._set_signature_columns_if_needed()
-            self._keep_columns = frozenset(self._signature_columns)
-            self.data_collator = ColumnFilter(self.data_collator, self._keep_columns)
-            if self._unpacked_collator is not None:
-                self._unpacked_collator = ColumnFilter(self._unpacked_collator, self._keep_columns)
-        self._validated: set[int] = set()  # ids of datasets already checked by validate_dataset
+            keep_columns = frozenset(self._signature_columns)
+        collators = Collators.build(model=self.model, processing_class=self.processing_class,
+                                    data_collator=data_collator, pack=args.pack_sequences,
+                                    context_parallel=self.cp is not None, keep_columns=keep_columns)
+        self.data_collator, self._unpacked_collator = collators.train, collators.unpacked
+        # samples are checked field by field unless a collator of the user's (or a tokenizer) pads them
+        self.dataset_checks = DatasetChecks(rank=self.rank, device=self.device, keep_columns=keep_columns,
+                                            check_samples=data_collator is None and
+                                            not hasattr(self.processing_class, "pad"))
         self.compute_metrics, self.compute_loss_func = compute_metrics, compute_loss_func
-        if args.batch_eval_metrics and compute_metrics is not None and \
-                "compute_result" not in inspect.signature(compute_metrics).parameters:
-            raise TrainingArgumentsError("TrainingArguments.batch_eval_metrics = True calls compute_metrics after "
-                                         "every batch with compute_result=True on the last; give compute_metrics a "
-                                         "compute_result argument (it returns the summary when that is True)")
+        check_compute_metrics(args, compute_metrics)
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         # Hugging Face's default callbacks: DefaultFlowCallback, and the display (a progress bar or a printer)
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model,
                                                 self.processing_class, self.optimizer, self.lr_scheduler)
         self.add_callback(JsonPrinterCallback if args.disable_tqdm else JsonProgressCallback)
-        # trackers (report_to): transformers' own integration callbacks, on rank 0 only
-        problem = None
-        try:
-            trackers = tracker_callbacks(args.report_to) if self.rank == 0 else []
-        except TrainingArgumentsError as err:
-            problem, trackers = str(err), []
-        agree(problem, TrainingArgumentsError)
-        for tracker in trackers:
+        for tracker in rank0_trackers(args.report_to, self.rank):
             self.add_callback(tracker)
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
@@ -201,7 +191,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         loss; the step runner and checkpoint manager follow it. `__init__` calls it, and `train()` with each
         model `model_init` builds."""
         args = self.args
-        self.model = self.model_wrapped = self._prepare_model(model, self._peft_config)
+        self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
+        self.model_wrapped = self.model
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
                                    device_type=self.device.type)
         self.loss_computer = LossComputer(self.model, self.device,
@@ -228,17 +219,23 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self._install_model(self.call_model_init(trial))
         self.optimizer, self.lr_scheduler = None, None
 
-    # -- setup (the model's parallelism: shardtrain.train.model_setup) --------------------------------
-    def _default_collator(self, packed: bool = False) -> Callable:
-        if packed:
-            return packing_collator(self.model, context_parallel=self.cp is not None)
-        if hasattr(self.processing_class, "pad"):  # a tokenizer: Hugging Face's default
-            from transformers import DataCollatorWithPadding
+    # -- setup (the model's layout: shardtrain.train.model_preparation) --------------------------------
+    # a causal LM batch without labels learns every token; a library's trainer (shardtrain.on_engine) gets its
+    # collator's batches as they are, as under Hugging Face
+    labels_from_inputs = True
 
-            return DataCollatorWithPadding(self.processing_class)
-        pad_id = getattr(getattr(self.model, "config", None), "pad_token_id", None)
-        return PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0,
-                               labels_from_input_ids=is_causal_lm(self.model))
+    def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:
+        """A collated batch as the model gets it (`ModelPreparation.inputs`): labels made from the inputs unless
+        `add_labels` is False or the Trainer is a library's."""
+        return self.preparation.inputs(batch, self.loss_computer, with_labels=add_labels and self.labels_from_inputs)
+
+    def _parallelize_side_models(self) -> None:
+        """A library's frozen extra models (TRL's `ref_model`, `teacher_model`, ...) sharded like the trained one,
+        so that no rank holds a full copy while training."""
+        for name in SIDE_MODELS:
+            side = getattr(self, name, None)
+            if isinstance(side, nn.Module) and side is not self.model:
+                setattr(self, name, self.preparation.prepare_frozen(side))
 
     def _eval_collator(self) -> Callable:
         """The collator of evaluation and prediction batches (padded even when training packs them)."""
@@ -298,8 +295,11 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self._hp_search_setup(trial)  # Hugging Face's: a trial's hyperparameters into args (and self._trial)
         self._runner = None  # the step runner reads this run's max_grad_norm
         self._validate_inputs()
-        resume = self._resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
-                                      else args.resume_from_checkpoint)
+        resume = resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
+                                else args.resume_from_checkpoint, output_dir=args.output_dir,
+                                restart_count=self.spec.restart_count, fsdp_enabled=args.fsdp_enabled,
+                                rank=self.rank, broadcast=lambda t: self.backend.broadcast(t, src=0),
+                                device=self.device)
         data = self._training_data()
         plan = self._plan(data)
         if isinstance(plan, StreamPlan):
@@ -358,6 +358,17 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, ModelSet
         self._draw_report()
         self._fire("on_train_end")
         return TrainOutput(self.state.global_step, training_loss, metrics)
+
+    def _validate_inputs(self) -> None:
+        """Everything that can be checked before the first step (collective: every rank raises together)."""
+        check_training_inputs(self.args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                              cp_size=self.dims.cp, custom_loss=self._custom_loss)
+        limits, checks = ModelLimits.of(self.model, self.loss_computer.shift_labels), self.dataset_checks
+        if not is_stream(self.train_dataset):  # a stream is checked as it is read (its samples are not indexable)
+            checks.check(self.train_dataset, "train_dataset", limits, need_targets=True, again=True)
+            checks.report_unused_columns(self.train_dataset, "training", type(self.model).__name__)
+        if self.eval_dataset is not None and self.args.eval_strategy != "no":
+            checks.check(self.eval_dataset, "eval_dataset", limits, need_targets=False, again=True)
 
     def _checkpoint_and_exit(self, preempted: Preempted) -> None:
         """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""

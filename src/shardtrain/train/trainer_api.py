@@ -21,7 +21,7 @@ from shardtrain.train.evaluation import EvalLoop
 from shardtrain.train.generation import generate_answers
 from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
 from shardtrain.train.streaming import is_stream
-from shardtrain.train.validation import ModelLimits, agree, over_data_ranks, validate_dataset, writable_problem
+from shardtrain.train.validation import ModelLimits, agree, over_data_ranks, writable_problem
 
 SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks
 
@@ -188,11 +188,8 @@ class TrainerAPIMixin:
     def _validate_eval_dataset(self, dataset: Any, name: str) -> None:
         if dataset is None:
             raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
-        if id(dataset) not in self._validated:
-            limits = ModelLimits.of(self.model, self.loss_computer.shift_labels)
-            validate_dataset(dataset, name=name, limits=limits, check_samples=self._validate_samples,
-                             need_targets=False, device=self.device)
-            self._validated.add(id(dataset))
+        self.dataset_checks.check(dataset, name, ModelLimits.of(self.model, self.loss_computer.shift_labels),
+                                  need_targets=False)
 
     def _share_loader(self, dataset: Any, name: str) -> DataLoader:
         if is_stream(dataset):  # read by EvalLoop.run_stream; iterating this loader gives every element

@@ -1,0 +1,112 @@
+"""How a model is laid out for the run, in order: adapters (LoRA), context parallelism, then the backend's
+`parallelize` (tensor parallel -> expert parallel -> activation checkpointing -> compile -> FSDP); and how each
+batch reaches it (on the device, split over the `cp` ranks). A part of the Trainer, built once from the runtime.
+
+    preparation = ModelPreparation(spec=spec, backend=backend, dims=dims, meshes=meshes, cp=cp)
+    model, frozen_base = preparation.prepare(model_or_path, peft_config)
+    inputs = preparation.inputs(batch, loss_computer, with_labels=True)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
+from shardtrain.config.run_spec import RunSpec
+from shardtrain.errors import PeftError, TrainingArgumentsError
+from shardtrain.parallel.backend import TrainingBackend, apply_parallelism
+from shardtrain.parallel.context import ContextParallel
+from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.loading import load_pretrained
+from shardtrain.train.lora import add_adapters, is_peft_model
+from shardtrain.train.loss import LossComputer, is_causal_lm
+from shardtrain.train.router_loss import RouterLoss
+
+# attributes where libraries built on Hugging Face's Trainer keep frozen models next to the trained one
+SIDE_MODELS = ("ref_model", "teacher_model", "reward_model")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelPreparation:
+    """Lays models out on the run's meshes (see module docstring)."""
+
+    spec: RunSpec
+    backend: TrainingBackend
+    dims: ParallelDims
+    meshes: Any
+    cp: ContextParallel | None
+
+    def prepare(self, model: nn.Module | str | os.PathLike, peft_config: Any = None) -> tuple[nn.Module, Any]:
+        """The trained model laid out (adapters added from `peft_config`; a path loaded, each rank reading its
+        shards), and the identity of its frozen base when it trains adapters (recorded in checkpoints), else None.
+        """
+        spec, dims, backend = self.spec, self.dims, self.backend
+        frozen_base = None
+        if peft_config is not None:
+            if isinstance(model, str | os.PathLike):
+                raise PeftError("peft_config needs a model object: load it first (e.g. AutoModelForCausalLM."
+                                "from_pretrained(path)) and pass it with peft_config")
+            model = add_adapters(model, peft_config)
+        if is_peft_model(model):  # before sharding (full tensors); each rank hashes a share of the base
+            shares: list[Any] = [None] * backend.world_size
+            dist.all_gather_object(shares, frozen_digests(model, backend.rank, backend.world_size))
+            frozen_base = frozen_identity(model, {k: v for share in shares for k, v in share.items()})
+        for name, size in (("tp_size", dims.tp), ("ep_size", dims.ep)):
+            if frozen_base is not None and size > 1:
+                raise PeftError(f"{name} = {size} with LoRA adapters is not supported yet; train the adapters "
+                                f"with data (and context) parallelism, {name} 1")
+        if isinstance(model, str | os.PathLike):
+            # A model path takes any layout, ep included: the loader reads per-expert checkpoint keys into the
+            # fused, expert-sharded weights by transformers' own conversion rules (or falls back to rank 0's
+            # broadcast)
+            model = load_pretrained(model, spec.fsdp, mesh=self.meshes.fsdp, mixed_precision=spec.mixed_precision,
+                                    device=backend.device, compile_options=spec.compile_options,
+                                    parallelize=lambda m: apply_parallelism(
+                                        m, self.meshes, dims, spec.fsdp, tp_plan=spec.tp_plan,
+                                        mixed_precision=spec.mixed_precision, compile_options=spec.compile_options))
+            self._enable_context_parallel(model)
+            return model, frozen_base
+        self._enable_context_parallel(model)
+        if spec.gradient_checkpointing is not None and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(spec.gradient_checkpointing))
+        return backend.parallelize(model, self.meshes, dims, adapters=frozen_base is not None), frozen_base
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """A library's frozen extra model (TRL's `ref_model`, ...) sharded like the trained one, on the same
+        meshes, in eval mode; one already sharded is returned as it is."""
+        if self.backend.is_sharded(model):
+            return model
+        model.requires_grad_(False)
+        return self.backend.parallelize(model, self.meshes, self.dims).eval()
+
+    def inputs(self, batch: dict[str, torch.Tensor], loss_computer: LossComputer, *,
+               with_labels: bool) -> dict[str, Any]:
+        """A collated batch as the model gets it: on the device, with labels made from the inputs
+        (`with_labels`), split over `cp` under context parallelism."""
+        batch = self.backend.to_device(batch)
+        if with_labels:
+            batch = loss_computer.with_labels(batch)
+        if self.cp is None:
+            return batch
+        pad = getattr(getattr(loss_computer.model, "config", None), "pad_token_id", None)
+        return self.cp.shard(batch, shift_labels=loss_computer.shift_labels, pad_token_id=pad or 0)
+
+    def _enable_context_parallel(self, model: nn.Module) -> None:
+        if self.cp is None:
+            return
+        if not is_causal_lm(model):
+            raise TrainingArgumentsError(
+                f"cp_size = {self.dims.cp}: context parallelism splits the sequences of causal language models; "
+                f"{type(model).__name__} is not one (its outputs depend on the whole sequence); set cp_size to 1")
+        if RouterLoss(model, None).enabled:
+            raise TrainingArgumentsError(
+                f"cp_size = {self.dims.cp} with {type(model).__name__}'s load-balancing loss (config."
+                "output_router_logits): the router statistics under context parallelism are not supported yet; "
+                "set cp_size to 1, or config.output_router_logits = False")
+        self.cp.enable(model)
