@@ -61,3 +61,20 @@ def test_lower_layers_never_import_upper_ones():
                 if LAYERS.index(parts[1]) < LAYERS.index(layer) and (layer, parts[1]) not in ALLOWED:
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert wrong == []
+
+
+def test_model_facts_find_tied_weights_one_way():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardtrain.model_facts import tied_aliases, tied_embedding_modules, tied_groups, tied_parameter_ids
+
+    def llama(tie: bool) -> LlamaForCausalLM:
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie))
+
+    tied, untied = llama(True), llama(False)
+    assert tied_aliases(tied) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert tied_parameter_ids(tied) == {id(tied.lm_head.weight)}
+    assert tied_embedding_modules(tied) == {"lm_head", "model.embed_tokens"}
+    assert ["model.embed_tokens.weight", "lm_head.weight"] in tied_groups(tied)
+    assert tied_aliases(untied) == {} and tied_parameter_ids(untied) == set() and tied_embedding_modules(untied) == set()

@@ -5,7 +5,8 @@ from tiny_models import tiny_llama
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from shardtrain import FSDPConfig, FSDPConfigError
-from shardtrain.parallel.fsdp import find_fsdp_units, output_unit, tied_parameter_ids
+from shardtrain.model_facts import tied_parameter_ids
+from shardtrain.parallel.fsdp import find_fsdp_units, output_unit
 
 
 def test_transformer_wrap_falls_back_to_no_split_modules():

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from shardtrain import model_facts
 from shardtrain.checkpoint.layout import BASE_FILE
 
 # Prefixes that wrappers add to parameter names: activation checkpointing, torch.compile, torch_xla's SPMD
@@ -117,16 +118,9 @@ def set_rng_state(saved: dict[str, Any]) -> None:
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """name -> first name of the same parameter, for parameters reachable under several names."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        clean = clean_name(name)
-        if id(param) in first:
-            aliases[clean] = first[id(param)]
-        else:
-            first[id(param)] = clean
-    return aliases
+    """name -> first name of the same parameter, for parameters reachable under several names (names as saved:
+    without the wrappers' prefixes)."""
+    return {clean_name(alias): clean_name(name) for alias, name in model_facts.tied_aliases(model).items()}
 
 
 def frozen_digests(model: nn.Module, rank: int = 0, world_size: int = 1) -> dict[str, str]:

@@ -35,10 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from shardtrain.errors import ContextParallelError
+from shardtrain.model_facts import IGNORE_INDEX, base_model
 
 ATTENTION_NAME = "shardtrain_cp"  # the name in transformers' AttentionInterface / AttentionMaskInterface
 SHARD_KWARG = "shardtrain_cp"  # the forward argument that carries a rank's CPShard down to the attention
-IGNORE_INDEX = -100
 _SEQUENCE_KEYS = ("input_ids", "token_type_ids", "position_ids", "labels", "shift_labels", "attention_mask")
 
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -159,8 +159,7 @@ class ContextParallel:
         Raises:
             ContextParallelError: the model does not call attention through transformers' interface.
         """
-        if callable(getattr(model, "get_base_model", None)):  # a PEFT model: its base model's attention
-            model = model.get_base_model()
+        model = base_model(model)  # a PEFT model: its base model's attention
         config = getattr(model, "config", None)
         if not getattr(type(model), "_supports_attention_backend", False) or config is None:
             raise ContextParallelError(

@@ -30,6 +30,7 @@ from torch.distributed.tensor import Shard
 from shardtrain.config import env
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import FSDPConfigError
+from shardtrain.model_facts import tied_parameter_ids
 from shardtrain.parallel.activation_checkpoint import wrap_checkpointing
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device
@@ -41,14 +42,6 @@ logger = logging.getLogger(__name__)
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-def tied_parameter_ids(model: nn.Module) -> set[int]:
-    """ids of parameters reachable under more than one module (e.g. tied input/output embeddings)."""
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            seen[id(param)] = seen.get(id(param), 0) + 1
-    return {pid for pid, count in seen.items() if count > 1}
 
 
 def _contains_tied(module: nn.Module, tied: set[int]) -> bool:

@@ -29,6 +29,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from shardtrain.model_facts import tied_groups
+
 try:  # transformers 5 (the tested 5.24): without it, only checkpoints whose keys match the model are read sharded
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
@@ -78,13 +80,6 @@ def safetensors_index(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return index
 
 
-def _tied_aliases(model: nn.Module) -> dict[str, list[str]]:
-    # state_dict() detaches, so tied names are found through the parameter objects themselves
-    names_of: dict[int, list[str]] = {}
-    for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        names_of.setdefault(id(tensor), []).append(key)
-    return {key: names for names in names_of.values() for key in names}
-
 
 def plan_read(model: nn.Module, index: dict[str, tuple[Path, tuple[int, ...]]]) -> tuple[ReadPlan | None, str]:
     """Map the checkpoint's keys onto `model`'s state dict with transformers' conversion rules for its class.
@@ -99,7 +94,7 @@ def plan_read(model: nn.Module, index: dict[str, tuple[Path, tuple[int, ...]]]) 
         `from_pretrained` ignores them (with a warning).
     """
     state = model.state_dict()
-    aliases = _tied_aliases(model)
+    aliases = {name: names for names in tied_groups(model, buffers=True) for name in names}  # every name of each
     mapping = get_model_conversion_mapping(model) if get_model_conversion_mapping is not None else []
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from shardtrain.errors import TensorParallelError
+from shardtrain.model_facts import tied_embedding_modules
 
 
 def _style(name: str) -> ParallelStyle | None:
@@ -120,7 +121,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = N
             f"tp_size = {mesh.size()}: {type(model).__name__} has no tensor-parallel plan (config.base_model_tp_plan / "
             f"_tp_plan); pass one as TrainingArguments(tp_plan={{'model.layers.*.self_attn.q_proj': 'colwise', ...}})")
     check_tp_sizes(model, mesh.size())
-    tied = _tied_embeddings(model)
+    tied = tied_embedding_modules(model)
     chosen: dict[str, Any] = {}
     names = [name for name, _ in model.named_modules()]
     for pattern, style_name in plan.items():
@@ -144,13 +145,3 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = N
     parallelize_module(model, mesh, {name: style for name, (style, _) in chosen.items()})
     return {name: style_name for name, (_, style_name) in chosen.items()}
 
-
-def _tied_embeddings(model: nn.Module) -> set[str]:
-    """Names of the input embedding and the head when they share their weight (else empty)."""
-    get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
-    if not callable(get_out) or not callable(get_in):
-        return set()
-    head, embed = get_out(), get_in()
-    if head is None or embed is None or head.weight is not embed.weight:
-        return set()
-    return {name for name, module in model.named_modules() if module is head or module is embed}

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardtrain.errors import ChunkedLossError
-from shardtrain.train.data import IGNORE_INDEX
+from shardtrain.model_facts import IGNORE_INDEX
 
 AUTO = "auto"
 # Config keys with which transformers' models change the logits after the head (Gemma 2/3, Cohere, Granite,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-IGNORE_INDEX = -100
+from shardtrain.model_facts import IGNORE_INDEX, LABEL_COLUMNS, base_model
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -175,7 +175,7 @@ def _as_list(value: Any) -> list:
     return value.tolist() if isinstance(value, torch.Tensor) else list(value)
 
 
-LABEL_KEYS = ("labels", "label", "label_ids")  # Hugging Face's names; the model receives "labels"
+LABEL_KEYS = LABEL_COLUMNS
 
 
 def _labels_of(item: dict[str, Any]) -> Any:
@@ -301,5 +301,5 @@ def forward_columns(model: torch.nn.Module) -> frozenset[str]:
     from shardtrain.checkpoint.model_state import unwrap  # torch_xla's FSDP forwards *args, **kwargs
 
     model = unwrap(model)
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = base_model(model)
     return frozenset(inspect.signature(base.forward).parameters) | frozenset(LABEL_KEYS)

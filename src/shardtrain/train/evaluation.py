@@ -15,10 +15,10 @@ from transformers import EvalPrediction
 from transformers.trainer_utils import PredictionOutput
 
 from shardtrain.errors import DataError
+from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel.context import SHARD_KWARG, ContextParallel
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data import (
-    IGNORE_INDEX,
     CollatingDataset,
     PlaceholderDataset,
     SeededIndices,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.train.data import IGNORE_INDEX
+from shardtrain.model_facts import IGNORE_INDEX
 
 
 def prompts_and_answers(batch: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[list[int]]]:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from shardtrain.errors import PeftError
+from shardtrain.model_facts import tied_aliases
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file name
 
@@ -96,18 +97,9 @@ def merged_state(model: nn.Module, full_state: dict[str, torch.Tensor]) -> tuple
     copy = model_class(base)._from_config(base.config, dtype=next(iter(full_state.values())).dtype)
     copy = get_peft_model(copy, copy_module.deepcopy(model.peft_config[model.active_adapter]))
     missing, unexpected = copy.load_state_dict(full_state, strict=False)
-    if unexpected or [k for k in missing if k not in _tied_names(copy)]:
+    if unexpected or [k for k in missing if k not in tied_aliases(copy)]:
         raise PeftError(f"could not rebuild the adapted model for merging (missing {missing[:3]}, unexpected "
                         f"{unexpected[:3]})")
     merged = copy.merge_and_unload()
     return merged.state_dict(), merged
 
-
-def _tied_names(model: nn.Module) -> set[str]:
-    seen: dict[int, str] = {}
-    tied = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            tied.add(name)
-        seen.setdefault(id(param), name)
-    return tied

@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardtrain.errors import ChunkedLossError, LossError
+from shardtrain.model_facts import IGNORE_INDEX, TARGET_KEYS
 from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.train.chunked_loss import chunked_cross_entropy, head_returns_input, output_head
-from shardtrain.train.data import IGNORE_INDEX
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -116,7 +116,7 @@ def _without_logits(outputs: Any) -> Any:
     return None
 
 
-LABEL_KEYS = ("labels", "shift_labels")
+LABEL_KEYS = TARGET_KEYS
 
 
 def _input_tokens(batch: dict[str, Any]) -> torch.Tensor:

@@ -21,11 +21,8 @@ from typing import Any
 from torch import nn
 
 from shardtrain.errors import TrainingArgumentsError
+from shardtrain.model_facts import base_model
 from shardtrain.train.loss import is_causal_lm
-
-
-def _base(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
 def check_packing(model: nn.Module, data_collator: Any, *, use_cache: bool) -> None:
@@ -35,7 +32,7 @@ def check_packing(model: nn.Module, data_collator: Any, *, use_cache: bool) -> N
         TrainingArgumentsError: a collator of the user's, a model that is not a causal LM or whose attention
             mask does not come from transformers' masking utilities, or a KV cache (which turns that mask off).
     """
-    name = type(_base(model)).__name__
+    name = type(base_model(model)).__name__
     where = "TrainingArguments.pack_sequences = True"
     if data_collator is not None:
         raise TrainingArgumentsError(
@@ -45,7 +42,7 @@ def check_packing(model: nn.Module, data_collator: Any, *, use_cache: bool) -> N
     if not is_causal_lm(model):
         raise TrainingArgumentsError(f"{where} packs the token sequences of causal language models; {name} is not "
                                      "one; set pack_sequences False")
-    if not getattr(type(_base(model)), "_supports_attention_backend", False):
+    if not getattr(type(base_model(model)), "_supports_attention_backend", False):
         raise TrainingArgumentsError(
             f"{where} needs a model whose attention mask comes from transformers' masking utilities (they keep "
             f"packed documents apart); {name} has no _supports_attention_backend, so its documents would attend to "
@@ -60,7 +57,7 @@ def packing_collator(model: nn.Module, *, context_parallel: bool) -> Any:
     """transformers' `DataCollatorWithFlattening`, with flash-attention's boundaries when the model uses it."""
     from transformers import DataCollatorWithFlattening
 
-    attention = str(getattr(getattr(_base(model), "config", None), "_attn_implementation", None) or "")
+    attention = str(getattr(getattr(base_model(model), "config", None), "_attn_implementation", None) or "")
     # under context parallelism shardtrain's attention replaces flash-attention and reads the positions instead
     varlen = "flash" in attention and not context_parallel
     return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100, return_flash_attn_kwargs=varlen)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.errors import DataError, UserError
-from shardtrain.train.data import IGNORE_INDEX
+from shardtrain.model_facts import IGNORE_INDEX
 
 
 @dataclass(frozen=True, kw_only=True)
