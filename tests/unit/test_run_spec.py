@@ -77,4 +77,5 @@ def test_model_facts_find_tied_weights_one_way():
     assert tied_parameter_ids(tied) == {id(tied.lm_head.weight)}
     assert tied_embedding_modules(tied) == {"lm_head", "model.embed_tokens"}
     assert ["model.embed_tokens.weight", "lm_head.weight"] in tied_groups(tied)
-    assert tied_aliases(untied) == {} and tied_parameter_ids(untied) == set() and tied_embedding_modules(untied) == set()
+    assert tied_aliases(untied) == {} and tied_parameter_ids(untied) == set()
+    assert tied_embedding_modules(untied) == set()
