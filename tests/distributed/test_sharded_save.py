@@ -4,7 +4,8 @@ One launch per world size (2 and 4 ranks; `workers/sharded_save.py`) trains an u
 saves each with the default split (one `model.safetensors`), a small split (5 files + index) and the rank-0
 gather path; the tests check the files against the gathered weights, transformers' `save_pretrained` and
 `shardtrain merge`, and what each rank gathered. FULL_STATE_DICT training checkpoints take the same path: written
-and read back by every rank (its slices), none gathering or reading the model whole, and the resume is exact.
+and read back by every rank (its slices), none gathering or reading the model whole, and the resume is exact; with
+save_async too (written in the background from the staged shards, on the checkpoint's own process group).
 """
 
 import json
@@ -151,3 +152,24 @@ def test_full_state_dict_checkpoints_are_written_and_read_by_every_rank(saved, m
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == (model == "llama_tied")
     full, resumed = records[0]["full"]["losses"], records[0]["full_resumed"]["losses"]
     assert len(full) == 3 and resumed[-1] == full[-1]  # step 3 after the resume: bit-identical
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_async_full_state_dict_checkpoints_are_written_by_every_rank(saved, model):
+    root, world = saved
+    records = [json.loads((root / model / f"rank{r}.json").read_text()) for r in range(world)]
+    for record in records:
+        run = record["full_async"]
+        assert run["full_tensor_bytes"] == 0 and run["rank0_gathers"] == 0, run
+        assert run["losses"] == record["full"]["losses"]  # the background save changes nothing in training
+    files = [name for record in records for name in record["full_async"]["consolidated"]]
+    assert files == ["model-00001-of-00001.safetensors"] * 2  # checkpoint-2 and -3, each file by one rank
+    for step in (2, 3):
+        sync = read_full_checkpoint(root / model / "full" / f"checkpoint-{step}")
+        background = read_full_checkpoint(root / model / "full_async" / f"checkpoint-{step}")
+        assert sync.keys() == background.keys()
+        assert all(torch.equal(sync[key], background[key]) for key in sync)
+    checkpoint = root / model / "full_async" / "checkpoint-2"
+    assert _weight_names(checkpoint) == [SINGLE_FILE] and not (checkpoint / STAGING_DIR).exists()
+    loaded = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == (model == "llama_tied")

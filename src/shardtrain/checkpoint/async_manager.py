@@ -24,10 +24,12 @@ from shardtrain.checkpoint.async_save import (
     checkpoint_group,
     gather_full,
     gatherable,
+    group_agree,
     private_copy,
 )
 from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.full import write_full_checkpoint
+from shardtrain.checkpoint.hf_export import save_sharded_pretrained
 from shardtrain.checkpoint.layout import OPTIMIZER_DIR, SHARDED_DIR
 
 
@@ -72,7 +74,8 @@ class AsyncSaveMixin:
                                     async_stager=AlreadyStaged())
         write_model = None
         if staged["full"] is not None or staged["shards"] is not None:
-            write_model = partial(self._write_full_model, tmp, staged["full"], staged["shards"])
+            write_model = partial(self._write_full_model, tmp, staged["full"], staged["shards"],
+                                  staged["distributed"])
         keep = state.best_model_checkpoint
 
         def commit() -> None:
@@ -93,9 +96,12 @@ class AsyncSaveMixin:
         """
         with_optim = self.optimizer is not None and not model_only
         states = self.states()
-        payload: dict[str, Any] = {"model": states.model_state()}
+        # FULL_STATE_DICT: every rank writes its part of the model files (as the synchronous save), unless the
+        # model is not sharded plainly (adapters, XLA, non-float states): then rank 0 gathers it
+        shards = self._distributed_full() if self.state_dict_type != "SHARDED_STATE_DICT" else None
+        payload: dict[str, Any] = {"model": states.model_state() if shards is None else shards}
         full = None
-        if self.state_dict_type != "SHARDED_STATE_DICT" and not gatherable(payload["model"]):
+        if self.state_dict_type != "SHARDED_STATE_DICT" and shards is None and not gatherable(payload["model"]):
             # collective; rank 0 gets the model, the others {}
             gathered = states.full_model_state()
             full = private_copy(gathered, self.model) if self.rank == 0 else {}
@@ -107,12 +113,19 @@ class AsyncSaveMixin:
         if self.state_dict_type == "SHARDED_STATE_DICT":
             return {"dcp": staged, "dcp_dir": SHARDED_DIR, "full": None, "shards": None}
         dcp_payload = {"optimizer": staged["optimizer"]} if with_optim else {}
-        return {"dcp": dcp_payload, "dcp_dir": OPTIMIZER_DIR, "full": full, "shards": staged.get("model")}
+        return {"dcp": dcp_payload, "dcp_dir": OPTIMIZER_DIR, "full": full, "shards": staged.get("model"),
+                "distributed": shards is not None}
 
-    def _write_full_model(self, tmp: Path, full: dict[str, torch.Tensor] | None,
-                          shards: dict[str, Any] | None) -> None:
-        """Background, FULL_STATE_DICT: gather the staged shards on rank 0 (collective over the gather group)
-        unless that was done already, then rank 0 writes model.safetensors."""
+    def _write_full_model(self, tmp: Path, full: dict[str, torch.Tensor] | None, shards: dict[str, Any] | None,
+                          distributed: bool) -> None:
+        """Background, FULL_STATE_DICT, over the checkpoint's own gloo group: every rank writes its part of the
+        staged shards into Hugging Face's layout (`distributed`), none holding the model whole; else the shards
+        are gathered on rank 0 (unless that was done already) and rank 0 writes model.safetensors."""
+        if distributed:
+            save_sharded_pretrained(self.model, tmp, None, rank=self.rank, world_size=dist.get_world_size(),
+                                    state=shards, agree=partial(group_agree, self._gather_group),
+                                    process_group=self._gather_group)
+            return
         if full is None:
             full = gather_full(shards, self._gather_group)
             for alias in self.states().tied_aliases():

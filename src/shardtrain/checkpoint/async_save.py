@@ -60,6 +60,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shardtrain.errors import CheckpointError
+
 
 class AlreadyStaged(AsyncStager):
     """A stager that returns the state dict as it is: the manager has staged it before calling async_save."""
@@ -121,6 +123,16 @@ class ReusableStager:
 def checkpoint_group() -> dist.ProcessGroup:
     """A gloo group over all ranks for checkpoint collectives (collective: every rank must call it)."""
     return dist.new_group(backend="gloo")
+
+
+def group_agree(group: dist.ProcessGroup, problem: str | None) -> None:
+    """Collective over `group`: if any rank passed a problem, every rank raises `CheckpointError` with the
+    lowest rank's (the background half of an async save agrees on its own group, never the training's)."""
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, problem, group=group)
+    problems = [p for p in found if p is not None]
+    if problems:
+        raise CheckpointError(problems[0])
 
 
 def gatherable(model_state: dict[str, Any]) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -131,7 +132,8 @@ def staging_groups(sizes: dict[str, int], weight_map: dict[str, str], world_size
 def save_sharded_pretrained(model: nn.Module, out: Path, config: dict[str, Any] | None, *, rank: int,
                             world_size: int, agree: Callable[[str | None], None],
                             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                            state: dict[str, torch.Tensor] | None = None) -> list[str]:
+                            state: dict[str, torch.Tensor] | None = None,
+                            process_group: dist.ProcessGroup | None = None) -> list[str]:
     """Write `model`'s weights (+ config.json) into `out` as `save_pretrained` lays them out; collective.
 
     Args:
@@ -142,7 +144,9 @@ def save_sharded_pretrained(model: nn.Module, out: Path, config: dict[str, Any] 
         world_size: the default process group's size.
         agree: collective: raises the same error on every rank if any rank passed a problem (else returns).
         max_shard_bytes: above this the weights are split into several files (`plan_weight_files`).
-        state: `sharded_state(model)` when the caller already has it.
+        state: `sharded_state(model)` when the caller already has it (or a staged copy of it: an async save).
+        process_group: the group of DCP's collectives (None: the default group; an async save passes its own,
+            so that the background write never meets the training's collectives).
 
     Returns:
         The names of the files written into `out`.
@@ -165,7 +169,7 @@ def save_sharded_pretrained(model: nn.Module, out: Path, config: dict[str, Any] 
     def write_shards() -> None:  # the writer makes its directory on every rank: inside the agreed phase
         writer = HuggingFaceStorageWriter(str(staging / "sharded"), save_distributed=True,
                                           fqn_to_index_mapping=groups)
-        dcp.save(state, storage_writer=writer)
+        dcp.save(state, storage_writer=writer, process_group=process_group)
 
     _run(write_shards, agree, staging, rank, "write the shards")
     mine = set(owned_files(weight_map, rank, world_size))

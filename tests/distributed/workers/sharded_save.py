@@ -19,13 +19,14 @@ import torch
 from tiny_models import tiny_llama, variable_length_dataset
 from torch.distributed.tensor import DTensor
 
+import shardtrain.checkpoint.async_manager as async_manager
 import shardtrain.checkpoint.hf_export as hf_export
 import shardtrain.checkpoint.manager as manager
 from shardtrain import Trainer, TrainingArguments, destroy_distributed
 from shardtrain.checkpoint.model_state import full_model_state
 from shardtrain.errors import OutputDirError
 
-COUNTS = {"full_tensor_bytes": 0, "consolidated": [], "whole_reads": 0}
+COUNTS = {"full_tensor_bytes": 0, "consolidated": [], "whole_reads": 0, "rank0_gathers": 0}
 
 
 def _count_gathers(original):
@@ -52,15 +53,23 @@ def _record_whole_reads(original):
     return read_full_checkpoint
 
 
+def _record_rank0_gathers(original):
+    def gather_full(*args, **kwargs):
+        COUNTS["rank0_gathers"] += 1
+        return original(*args, **kwargs)
+    return gather_full
+
+
 def _full_checkpoint_runs(name: str, out: Path) -> dict:
     """Train 3 steps with FULL_STATE_DICT checkpoints (one at step 2), then resume from checkpoint-2 in a new
-    Trainer; what each did gather or read whole."""
+    Trainer, and the same training with save_async; what each did gather or read whole."""
     record = {}
-    for kind, resume in (("full", None), ("full_resumed", str(out / "full" / "checkpoint-2"))):
-        COUNTS.update(full_tensor_bytes=0, consolidated=[], whole_reads=0)
+    for kind, resume in (("full", None), ("full_resumed", str(out / "full" / "checkpoint-2")), ("full_async", None)):
+        COUNTS.update(full_tensor_bytes=0, consolidated=[], whole_reads=0, rank0_gathers=0)
         args = TrainingArguments(output_dir=str(out / kind), fsdp=True, per_device_train_batch_size=4, max_steps=3,
                                  learning_rate=1e-2, save_strategy="steps", save_steps=2, disable_tqdm=True,
-                                 logging_steps=1, fsdp_config={"state_dict_type": "FULL_STATE_DICT"})
+                                 logging_steps=1, fsdp_config={"state_dict_type": "FULL_STATE_DICT"},
+                                 save_async=kind == "full_async")
         trainer = Trainer(tiny_llama(tie=name == "llama_tied", vocab=66), args,
                           train_dataset=variable_length_dataset(n=32))
         trainer.train(resume_from_checkpoint=resume)
@@ -92,6 +101,7 @@ def main() -> None:
     DTensor.redistribute = _count_gathers(DTensor.redistribute)
     hf_export._consolidate_safetensors_files = _record_consolidation(hf_export._consolidate_safetensors_files)
     manager.read_full_checkpoint = _record_whole_reads(manager.read_full_checkpoint)
+    async_manager.gather_full = _record_rank0_gathers(async_manager.gather_full)
     for name in ("llama", "llama_tied"):
         out = root / name
         model = tiny_llama(tie=name == "llama_tied", vocab=66)

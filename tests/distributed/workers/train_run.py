@@ -8,7 +8,7 @@ everything from disk), which saves a process start per job. Keys besides Trainin
 "probe" (the final model's logits on a fixed batch go to OUT/probe.pt), "random_collator" (a collator that
 masks 20 % of the input tokens at random), "checkpoint_fault" (a dict, for save_async tests: "delay_s" starts
 the background writes of every save that much later, so training runs on while they are pending;
-"fail_step": rank 0's write of model.safetensors in that step's save raises ENOSPC), "weights" (the final
+"fail_step": rank 0's write of the model file in that step's save raises ENOSPC), "weights" (the final
 full state dict goes to OUT/weights.pt), "predict" (predict() on the eval set, with a token-accuracy
 compute_metrics, goes to OUT/predict.pt), "eval_only" (no training: evaluate and predict the fresh model),
 "lora" (LoRA r=8 on q_proj/v_proj through peft_config), "save_merged" (dir: save_model(merge_adapters=True)),
@@ -117,25 +117,36 @@ def inject_checkpoint_fault(delay_s: float = 0.0, fail_step: int | None = None):
     import torch.distributed.checkpoint.state_dict_saver as saver
 
     import shardtrain.checkpoint.async_manager as async_manager
+    import shardtrain.checkpoint.hf_export as hf_export
     import shardtrain.checkpoint.manager as manager
 
     write_full, dcp_save = manager.write_full_checkpoint, saver.save
+    consolidate = hf_export._consolidate_safetensors_files
 
-    def write_model(state, out, config, *args, **kwargs):
-        if fail_step is not None and dist.get_rank() == 0 and Path(out).name.endswith(f"checkpoint-{fail_step}"):
+    def fault(checkpoint: Path) -> None:
+        if fail_step is not None and dist.get_rank() == 0 and checkpoint.name.endswith(f"checkpoint-{fail_step}"):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         time.sleep(delay_s)
+
+    def write_model(state, out, config, *args, **kwargs):  # the model gathered on rank 0
+        fault(Path(out))
         return write_full(state, out, config, *args, **kwargs)
+
+    def write_files(*, output_dir, **kwargs):  # every rank's files (hf_export: output_dir is <checkpoint>/staging)
+        fault(Path(output_dir).parent)
+        return consolidate(output_dir=output_dir, **kwargs)
 
     def delayed_dcp_save(*args, **kwargs):  # async_save's thread calls state_dict_saver.save; dcp.save is unchanged
         time.sleep(delay_s)
         return dcp_save(*args, **kwargs)
 
     manager.write_full_checkpoint = async_manager.write_full_checkpoint = write_model
+    hf_export._consolidate_safetensors_files = write_files
     saver.save = delayed_dcp_save
 
     def restore() -> None:
         manager.write_full_checkpoint = async_manager.write_full_checkpoint = write_full
+        hf_export._consolidate_safetensors_files = consolidate
         saver.save = dcp_save
 
     return restore
