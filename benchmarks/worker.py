@@ -223,10 +223,9 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
         holder["trainer"] = trainer
         if stage.enabled:
             _meter_trainer(stage, trainer, total)
-        trainer.train()
+        output = trainer.train()
         state = trainer.state
     stage.write(cli.steps)
-    losses = [e["loss"] for e in state.log_history if "loss" in e]
     tokens = spec.per_device_batch * spec.seq_len * world
     durations = timer.durations()
     result = {"mode": cli.mode, "size": spec.name, "world_size": world,
@@ -234,7 +233,7 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
               "cpu_allocator": allocator,
               "timing": summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens),
               "rusage_per_step_rank0": timer.usage_per_step(cli.warmup),
-              "global_steps": state.global_step, "mean_loss": losses[-1] if losses else None,
+              "global_steps": state.global_step, "mean_loss": output.training_loss,
               "sharding": sharding_facts(trainer.model)}
     per_rank = {"param_bytes": param_bytes(trainer.model), "grad_bytes": holder["grad_bytes"],
                 "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizer),

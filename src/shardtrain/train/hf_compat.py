@@ -141,6 +141,7 @@ FIELD_NOTES = {
     "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
     "bf16": "unset: the launcher's mixed precision",
     "save_strategy": "'no', 'steps', 'epoch', 'best'",
+    "eval_delay": "as Hugging Face (its DefaultFlowCallback): no evaluation before that step (epoch)",
     "use_cpu": "CPU and gloo even when a GPU is visible",
     "activation_checkpointing": "under FSDP: fsdp_config activation_checkpointing; else the model's own",
     "label_smoothing_factor": "exact (token and class cross entropy); refused with a model's own loss",

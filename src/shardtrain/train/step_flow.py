@@ -1,5 +1,10 @@
-"""When the Trainer logs, evaluates and saves (Hugging Face's strategies and intervals), what a log entry holds,
-and how the best checkpoint is tracked. Part of `Trainer`."""
+"""When the Trainer logs, evaluates and saves, what a log entry holds, and how the best checkpoint is tracked.
+Part of `Trainer`.
+
+The schedule is Hugging Face's own: `DefaultFlowCallback` (in `callback_handler`, as under transformers) turns the
+strategies, intervals, `logging_first_step` and `eval_delay` into `control` flags at each step end and epoch end,
+and the Trainer acts on the flags, as `transformers.Trainer._maybe_log_save_evaluate` does. Removing that callback
+leaves only the flags other callbacks set, as under Hugging Face."""
 
 from __future__ import annotations
 
@@ -23,40 +28,42 @@ def nan_inf_filtered(losses: list[float]) -> list[float]:
 
 
 class StepFlowMixin:
-    """Logging, evaluation and saving after each step; callbacks."""
+    """Logging, evaluation and saving after each step and epoch; callbacks."""
 
     def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:
-        args, step, max_steps = self.args, self.state.global_step, self.state.max_steps
-        at_epoch_end = bool(self.state.steps_per_epoch) and step % self.state.steps_per_epoch == 0
-        stopping = step >= max_steps or self.control.should_training_stop
-        if (args.logging_strategy == "steps" and step % args.interval("logging_steps", max_steps) == 0) or \
-                (args.logging_strategy == "epoch" and at_epoch_end) or (args.logging_first_step and step == 1) or \
-                (stopping and window) or self.control.should_log:
-            sums = torch.stack([s for s, _ in window])
-            self.backend.all_reduce(sums, group=self.meshes.loss.get_group())  # every token's loss once
-            losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
-            if args.logging_nan_inf_filter:
-                losses = nan_inf_filtered(losses)
-            self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
+        """Hugging Face's `_maybe_log_save_evaluate`: log (the losses of the steps in `window`), evaluate, save,
+        as the `control` flags say (each event resets its flag)."""
+        args, step = self.args, self.state.global_step
+        if window and self.control.should_log:
+            losses = self._fold_losses(window)
             logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
                     "learning_rate": self._step_lr, **self._throughput_and_memory()}
-            window.clear()
             self.log(logs)
         metrics = None
-        if (args.eval_strategy == "steps" and step % args.interval("eval_steps", max_steps) == 0) or \
-                (args.eval_strategy == "epoch" and at_epoch_end) or self.control.should_evaluate:
+        if self.control.should_evaluate:
             metrics = self.evaluate()
             self._report_to_hp_search(self._trial, step, metrics)  # Hugging Face's: a trial's intermediate value
-        # as Hugging Face's DefaultFlowCallback: "steps" also saves the last step
-        if (args.save_strategy == "steps" and (step % args.interval("save_steps", max_steps) == 0
-                                               or step >= max_steps)) or \
-                (args.save_strategy == "epoch" and at_epoch_end) or self.control.should_save or \
-                (args.save_strategy == "best" and self._improves_best(metrics)):
+            if args.save_strategy == "best":
+                self.control.should_save = self._improves_best(metrics)
+        if self.control.should_save:
             # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
             self._update_best(metrics, str(Path(args.output_dir) / f"{PREFIX}{step}"))
             self._save_checkpoint(self.model, self._trial)
         elif metrics is not None:
             self._update_best(metrics)
+
+    def _fold_losses(self, window: list) -> list[float]:
+        """The step losses of `window` (each a global token sum / count: one all-reduce over the loss mesh), added
+        to `train_loss`'s total; empties `window`. At the end of training the steps logged by no entry are folded in
+        this way too, as Hugging Face's `train_loss` counts them."""
+        sums = torch.stack([s for s, _ in window])
+        self.backend.all_reduce(sums, group=self.meshes.loss.get_group())  # every token's loss once
+        losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
+        if self.args.logging_nan_inf_filter:
+            losses = nan_inf_filtered(losses)
+        self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
+        window.clear()
+        return losses
 
     def _throughput_and_memory(self) -> dict[str, Any]:
         """Tokens/s since train() started, and every rank's peak memory (one small all-gather per log)."""
@@ -120,4 +127,5 @@ class StepFlowMixin:
         handler = self.callback_handler
         handler.model, handler.processing_class = self.model, self.processing_class
         handler.optimizer, handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        self.control = handler.call_event(event, self.args, self.state, self.control, **kwargs)
+        # the handler's own method: it resets the flag the event answers (on_log: should_log, ...), as in transformers
+        self.control = getattr(handler, event)(self.args, self.state, self.control, **kwargs)

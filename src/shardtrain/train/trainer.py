@@ -398,6 +398,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
 
     def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int) -> None:
         window: list[tuple[torch.Tensor, int]] = []
+        grad_norm = torch.zeros(())
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             # where the data stands: derived from the step (map-style), or saved with it (a stream)
             epoch, start = (self.state.data_epoch, self.state.data_step) if isinstance(plan, StreamPlan) else \
@@ -406,7 +407,6 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
             self._fire("on_epoch_begin")
             steps = data.epoch_steps(plan, epoch, start)
             for step, (batches, placeholders) in enumerate(steps, start):
-                self.control.should_log = self.control.should_evaluate = self.control.should_save = False
                 self._fire("on_step_begin")
                 loss_sum, tokens, grad_norm = self._optimizer_step(batches, placeholders)
                 self.state.global_step += 1
@@ -425,6 +425,9 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
                     raise DataError("train_dataset (a stream) gave no sample; check that iterating it yields samples")
                 self.state.data_epoch, self.state.data_step = epoch + 1, 0
             self._fire("on_epoch_end")
+            self._maybe_log_evaluate_save(window, grad_norm)  # what on_epoch_end asked for (epoch strategies)
+        if window:  # steps after the last log entry: in train_loss, as under Hugging Face
+            self._fold_losses(window)
 
     def _flop_params(self) -> int:
         """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""
