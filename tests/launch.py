@@ -52,6 +52,13 @@ def hf_and_ours(script: str | Path, root: Path) -> Path:
     return root
 
 
+def ours_and_hf_json(script: str | Path, root: Path) -> tuple[dict, dict]:
+    """Run a worker that takes `ours|hf OUT.json` once each as one process; returns (ours, hf) as read back."""
+    for which in ("ours", "hf"):
+        python(script, which, str(Path(root) / f"{which}.json"))
+    return read_json(Path(root) / "ours.json"), read_json(Path(root) / "hf.json")
+
+
 def reference_and_two_ranks(script: str | Path, root: Path, reference: str) -> Path:
     """Run a worker that takes `MODE OUT` as the library's own trainer on one process (MODE `reference`, into
     root/reference) and as shardtrain's on two ranks ("ours", into root/ours); returns root."""

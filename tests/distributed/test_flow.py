@@ -7,17 +7,14 @@ under save_strategy "best"), and removing DefaultFlowCallback turns them off as 
 from pathlib import Path
 
 import pytest
-from launch import python, read_json
+from launch import ours_and_hf_json
 
 WORKER = Path(__file__).parent / "workers" / "flow.py"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flow")
-    for which in ("ours", "hf"):
-        python(WORKER, which, str(root / f"{which}.json"))
-    return read_json(root / "ours.json"), read_json(root / "hf.json")
+    return ours_and_hf_json(WORKER, tmp_path_factory.mktemp("flow"))
 
 
 @pytest.mark.parametrize("name", ["steps", "epochs", "best"])

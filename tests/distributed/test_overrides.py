@@ -8,17 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import python, read_json
+from launch import ours_and_hf_json
 
 WORKER = Path(__file__).parent / "workers" / "overrides.py"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overrides")
-    for which in ("ours", "hf"):
-        python(WORKER, which, str(root / f"{which}.json"))
-    return read_json(root / "ours.json"), read_json(root / "hf.json")
+    return ours_and_hf_json(WORKER, tmp_path_factory.mktemp("overrides"))
 
 
 def test_each_override_is_called_as_often_as_under_transformers(runs):

@@ -2,7 +2,7 @@
 `parallelize` (tensor parallel -> expert parallel -> activation checkpointing -> compile -> FSDP); and how each
 batch reaches it (on the device, split over the `cp` ranks). A part of the Trainer, built once from the runtime.
 
-    preparation = ModelPreparation(spec=spec, backend=backend, dims=dims, meshes=meshes, cp=cp)
+    preparation = ModelPreparation(runtime)       # a parallel.runtime.Runtime
     model, frozen_base = preparation.prepare(model_or_path, peft_config)
     inputs = preparation.inputs(batch, loss_computer, with_labels=True)
 """
@@ -18,12 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
-from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import PeftError, TrainingArgumentsError
-from shardtrain.parallel.backend import TrainingBackend, apply_parallelism
+from shardtrain.parallel.backend import apply_parallelism
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.loading import load_pretrained
+from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.lora import add_adapters, is_peft_model
 from shardtrain.train.loss import LossComputer, is_causal_lm
 from shardtrain.train.router_loss import RouterLoss
@@ -32,21 +32,29 @@ from shardtrain.train.router_loss import RouterLoss
 SIDE_MODELS = ("ref_model", "teacher_model", "reward_model")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ModelPreparation:
     """Lays models out on the run's meshes (see module docstring)."""
 
-    spec: RunSpec
-    backend: TrainingBackend
-    dims: ParallelDims
-    meshes: Any
-    cp: ContextParallel | None
+    runtime: Runtime
+
+    @property
+    def meshes(self) -> Any:
+        return self.runtime.meshes
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.runtime.dims
+
+    @property
+    def cp(self) -> ContextParallel | None:
+        return self.runtime.cp
 
     def prepare(self, model: nn.Module | str | os.PathLike, peft_config: Any = None) -> tuple[nn.Module, Any]:
         """The trained model laid out (adapters added from `peft_config`; a path loaded, each rank reading its
         shards), and the identity of its frozen base when it trains adapters (recorded in checkpoints), else None.
         """
-        spec, dims, backend = self.spec, self.dims, self.backend
+        spec, dims, backend = self.runtime.spec, self.dims, self.runtime.backend
         frozen_base = None
         if peft_config is not None:
             if isinstance(model, str | os.PathLike):
@@ -80,16 +88,16 @@ class ModelPreparation:
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """A library's frozen extra model (TRL's `ref_model`, ...) sharded like the trained one, on the same
         meshes, in eval mode; one already sharded is returned as it is."""
-        if self.backend.is_sharded(model):
+        if self.runtime.backend.is_sharded(model):
             return model
         model.requires_grad_(False)
-        return self.backend.parallelize(model, self.meshes, self.dims).eval()
+        return self.runtime.backend.parallelize(model, self.meshes, self.dims).eval()
 
     def inputs(self, batch: dict[str, torch.Tensor], loss_computer: LossComputer, *,
                with_labels: bool) -> dict[str, Any]:
         """A collated batch as the model gets it: on the device, with labels made from the inputs
         (`with_labels`), split over `cp` under context parallelism."""
-        batch = self.backend.to_device(batch)
+        batch = self.runtime.backend.to_device(batch)
         if with_labels:
             batch = loss_computer.with_labels(batch)
         if self.cp is None:

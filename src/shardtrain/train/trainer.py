@@ -32,9 +32,7 @@ from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import DataError, OutputDirError, TrainingArgumentsError, install_error_hook
-from shardtrain.parallel.backend import make_backend
-from shardtrain.parallel.context import ContextParallel
-from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.argument_checks import check_compute_metrics
 from shardtrain.train.arguments import TrainingArguments
 from shardtrain.train.chunked_loss import resolve_chunk_size
@@ -115,19 +113,14 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         self.args = args = args if args is not None else TrainingArguments(output_dir="trainer_output")
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
             os.environ[env.CPU] = env.true_word(True)
-        # the run description: arguments, launcher environment and parallel sizes, resolved once (config/run_spec.py)
+        # the run description (arguments, launcher environment, parallel sizes), resolved once, and the runtime
+        # started from it: backend (FSDP2, or PyTorch/XLA with fsdp_config "xla": true), meshes, cp, device
         self.spec = spec = RunSpec.resolve(args)
-        self.backend = make_backend(spec)  # FSDP2, or PyTorch/XLA with fsdp_config "xla": true
-        self.backend.setup()
-        self.rank, self.world_size, self.device = self.backend.rank, self.backend.world_size, self.backend.device
-        self.dims = ParallelDims.resolve(world_size=self.world_size, fsdp_config=spec.fsdp,
-                                         local_world_size=spec.local_world_size or self.world_size, **spec.sizes)
-        self.meshes = self.dims.build(self.backend.host_device_type)
-        self.backend.check(model, self.dims)
-        self.dp_rank = self.dims.rank_coords(self.rank)["batch"]  # which samples this rank sees
-        self.cp = ContextParallel(self.meshes.cp, recompute=spec.cp_regather_kv) if self.dims.cp > 1 else None
-        self.preparation = ModelPreparation(spec=spec, backend=self.backend, dims=self.dims, meshes=self.meshes,
-                                            cp=self.cp)
+        self.runtime = runtime = Runtime.start(spec, model)
+        self.backend, self.dims, self.meshes, self.cp = runtime.backend, runtime.dims, runtime.meshes, runtime.cp
+        self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
+        self.dp_rank = runtime.dp_rank  # which samples this rank sees
+        self.preparation = ModelPreparation(runtime)
         agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
         set_seed(args.seed)
         self.model_init, self._peft_config = model_init, peft_config

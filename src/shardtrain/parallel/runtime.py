@@ -1,0 +1,57 @@
+"""The runtime of a run: the processes (through the backend), the parallel layout (`ParallelDims` and its named
+meshes), context parallelism and the device, started once from the run description.
+
+    runtime = Runtime.start(spec, model)   # spec: config.run_spec.RunSpec; model: a module, a path or None
+    runtime.meshes.fsdp, runtime.dims.cp, runtime.backend.all_reduce(t)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardtrain.config.run_spec import RunSpec
+from shardtrain.parallel.backend import TrainingBackend, make_backend
+from shardtrain.parallel.context import ContextParallel
+from shardtrain.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """Everything about where a run executes (see module docstring).
+
+    Attributes:
+        spec: the run description it was started from.
+        backend: FSDP2 (CPU/GPU) or PyTorch/XLA; collectives on host-visible values go through it.
+        dims, meshes: the parallel sizes and their meshes by purpose (`batch`, `fsdp`, `loss`, `cp`, `tp`, ...).
+        cp: context parallelism, or None when `dims.cp` is 1.
+        rank, world_size, device: this process, the number of processes, where the model and batches live.
+        dp_rank: which share of the samples this rank sees (its coordinate on the `batch` mesh).
+    """
+
+    spec: RunSpec
+    backend: TrainingBackend
+    dims: ParallelDims
+    meshes: Any
+    cp: ContextParallel | None
+    rank: int
+    world_size: int
+    device: torch.device
+    dp_rank: int
+
+    @classmethod
+    def start(cls, spec: RunSpec, model: Any = None) -> Runtime:
+        """Set up the processes and meshes `spec` describes; refuse (on every rank) a `model` or a setting the
+        backend cannot run, before the model is touched."""
+        backend = make_backend(spec)
+        backend.setup()
+        dims = ParallelDims.resolve(world_size=backend.world_size, fsdp_config=spec.fsdp,
+                                    local_world_size=spec.local_world_size or backend.world_size, **spec.sizes)
+        meshes = dims.build(backend.host_device_type)
+        backend.check(model, dims)
+        cp = ContextParallel(meshes.cp, recompute=spec.cp_regather_kv) if dims.cp > 1 else None
+        return cls(spec=spec, backend=backend, dims=dims, meshes=meshes, cp=cp, rank=backend.rank,
+                   world_size=backend.world_size, device=backend.device,
+                   dp_rank=dims.rank_coords(backend.rank)["batch"])
