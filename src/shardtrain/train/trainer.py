@@ -260,17 +260,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
 
     def _training_data(self) -> TrainingData:
         """The training batches' part, from the dataset and collator the Trainer holds now."""
-        args = self.args
-        return TrainingData(
-            dataset=self.train_dataset, collator=self.data_collator,
-            # a process that feeds several devices (XLA SPMD) loads all their batches at once
-            per_process_batch=args.per_device_train_batch_size * self.backend.devices_per_process,
-            per_device_batch=args.per_device_train_batch_size, accumulation_steps=args.gradient_accumulation_steps,
-            dp_size=self.dims.batch_size, dp_rank=self.dp_rank, seed=args.seed,
-            data_seed=args.seed if args.data_seed is None else args.data_seed, world_size=self.world_size,
-            all_reduce=self.backend.all_reduce, device=self.device, num_workers=args.dataloader_num_workers,
-            pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
-            prefetch_factor=args.dataloader_prefetch_factor, rank=self.rank)
+        return TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator)
 
     def _plan(self, data: TrainingData) -> BatchPlan | StreamPlan | LoaderPlan:
         if not self._overrides_train_loader:

@@ -67,6 +67,22 @@ class TrainingData:
     prefetch_factor: int | None = None
     rank: int = 0
 
+    @classmethod
+    def of(cls, args: Any, runtime: Any, dataset: Any, collator: Callable) -> TrainingData:
+        """The part for `TrainingArguments` `args` (batch sizes, accumulation, seeds, `dataloader_*`) on a
+        `parallel.runtime.Runtime`."""
+        device = runtime.device
+        return cls(
+            dataset=dataset, collator=collator,
+            # a process that feeds several devices (XLA SPMD) loads all their batches at once
+            per_process_batch=args.per_device_train_batch_size * runtime.backend.devices_per_process,
+            per_device_batch=args.per_device_train_batch_size, accumulation_steps=args.gradient_accumulation_steps,
+            dp_size=runtime.dims.batch_size, dp_rank=runtime.dp_rank, seed=args.seed,
+            data_seed=args.seed if args.data_seed is None else args.data_seed, world_size=runtime.world_size,
+            all_reduce=runtime.backend.all_reduce, device=device, num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory and device.type == "cuda",
+            prefetch_factor=args.dataloader_prefetch_factor, rank=runtime.rank)
+
     def plan(self, user_loader: Callable[[], Any] | None = None, owner: str = "") -> Plan:
         """The plan of the steps: a user's loader's (`user_loader`: an overridden `get_train_dataloader`,
         defined by the class `owner`; called once), a stream's, or shardtrain's own batch plan."""
