@@ -47,7 +47,7 @@ class StepFlowMixin:
                 self.control.should_save = self._improves_best(metrics)
         if self.control.should_save:
             # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
-            self._update_best(metrics, str(Path(args.output_dir) / f"{PREFIX}{step}"))
+            self._update_best(metrics, str(Path(self._get_output_dir(self._trial)) / f"{PREFIX}{step}"))
             self._save_checkpoint(self.model, self._trial)
         elif metrics is not None:
             self._update_best(metrics)
