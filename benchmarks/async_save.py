@@ -65,7 +65,7 @@ class SaveTimer:
             original = originals[name]
 
             def timed(manager: Any, *args: Any, **kwargs: Any) -> Any:
-                pending = manager._in_flight.step if manager._in_flight is not None else None
+                pending = manager.in_flight.step if manager.in_flight is not None else None
                 step = args[0] if args else kwargs.get("step")
                 if name != "wait":  # start together: the ranks' skew from the step is not the save's cost
                     barrier()
@@ -76,8 +76,8 @@ class SaveTimer:
                     ended = time.perf_counter()
                     timer.events.append({"event": name, "step": pending if name == "wait" else step,
                                          "t0": started, "t1": ended})
-                    if name == "save_async" and manager._in_flight is not None:
-                        manager._in_flight.future.add_done_callback(
+                    if name == "save_async" and manager.in_flight is not None:
+                        manager.in_flight.future.add_done_callback(
                             lambda _, s=step: timer.done.__setitem__(s, time.perf_counter()))
 
             return timed
@@ -133,7 +133,7 @@ def run_one(cli: argparse.Namespace, spec: Any, samples: list, kind: str, mode: 
 
     def flight() -> bool:
         manager = getattr(holder["trainer"], "_checkpoint_manager", None)
-        pending = manager._in_flight if manager is not None else None
+        pending = manager.in_flight if manager is not None else None
         return pending is not None and not pending.future.done()
 
     class Marks(TrainerCallback):

@@ -23,3 +23,23 @@ def test_a_row_ends_after_its_first_stop_token_even_when_it_is_also_the_padding(
     got, answers = generate_answers(model, batch, pad_token_id=stop, stop_token_ids={stop})
     assert answers == [[20, 21]] and len(free[0]) == 2
     assert got == [[stop]]  # kept: a reference answer ends with its EOS
+
+
+def test_eval_generator_uses_the_eos_as_padding_and_refuses_a_model_that_cannot_generate():
+    import pytest
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from shardtrain.errors import TrainingArgumentsError
+    from shardtrain.train.generation import eval_generator
+
+    model = tiny_llama().eval()
+    model.generation_config.pad_token_id = None
+    batch = {"input_ids": torch.tensor([[5, 9, 14, 3, 20, 21]]), "labels": torch.tensor([[-100] * 4 + [20, 21]])}
+    eos = model.generation_config.eos_token_id
+    expected = generate_answers(model, batch, pad_token_id=eos, stop_token_ids={eos})
+    assert eval_generator(model, causal_lm=True, max_length=None, num_beams=None)(batch) == expected
+    classifier = BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=8))
+    with pytest.raises(TrainingArgumentsError, match="predict_with_generate needs a causal language model.*"
+                                                     "BertForSequenceClassification"):
+        eval_generator(classifier, causal_lm=False, max_length=None, num_beams=None)

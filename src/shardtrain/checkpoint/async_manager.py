@@ -1,7 +1,8 @@
-"""The asynchronous half of `CheckpointManager`: `save_async` and `wait` (building blocks in `async_save.py`).
+"""`AsyncSaver`: the background saves of one `CheckpointManager` (building blocks in `async_save.py`).
 
-A mixin of `CheckpointManager`; it uses the manager's `_start_save`, `_write_small_files`, `_commit` and `_all_ok`,
-so the sync and async paths share the layout, the failure agreement and the commit.
+It writes through its manager's public parts (`writes`: the temporary directory, the agreement and the commit;
+`write_small_files`, `commit`, `distributed_full`, `states`), so the sync and async paths share the layout, the
+failure agreement and the commit.
 """
 
 from __future__ import annotations
@@ -33,38 +34,36 @@ from shardtrain.checkpoint.hf_export import save_sharded_pretrained
 from shardtrain.checkpoint.layout import OPTIMIZER_DIR, SHARDED_DIR
 
 
-class AsyncSaveMixin:
-    """`save_async` / `wait` for `CheckpointManager` (see shardtrain.checkpoint.async_save)."""
+class AsyncSaver:
+    """The saves in the background of `manager` (`CheckpointManager.save_async`, `wait`, `close`), at most one in
+    flight; its gloo groups, staging buffers and writer thread are created at the first save and kept until
+    `close`."""
 
-    def _init_async(self) -> None:
-        # created at the first async save, kept for the life of the manager
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
         self._group: dist.ProcessGroup | None = None  # DCP's collectives
         self._gather_group: dist.ProcessGroup | None = None  # FULL_STATE_DICT's model gather
         self._stager: ReusableStager | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._in_flight: InFlightSave | None = None
 
-    def save_async(self, step: int, state: Any, *, model_only: bool = False) -> Path:
-        """Start writing `checkpoint-<step>`; returns the path it will have once committed.
+    @property
+    def in_flight(self) -> InFlightSave | None:
+        return self._in_flight
 
-        Waits for the previous async save first (and raises its error, on every rank). Returns once the
-        state is staged in CPU memory and the small files are written; the DCP files, `model.safetensors`
-        (FULL_STATE_DICT) and the commit (manifest, fsync, rename, rotate) follow in the background. Call
-        `wait()` before relying on the checkpoint (the Trainer does at the next save and at the end of train).
-
-        Raises:
-            CheckpointError: the previous save, or this one's synchronous part, failed on some rank; every
-                rank raises it and the partial `.tmp-checkpoint-<step>` is removed.
-        """
+    def save(self, step: int, state: Any, *, model_only: bool = False) -> Path:
+        """`CheckpointManager.save_async`: stage, write the small files, then the rest and the commit (manifest,
+        fsync, rename, rotate) in the background; returns the path the checkpoint will have once committed."""
+        manager = self.manager
         self.wait()
         if self._group is None:  # collective: every rank saves at the same step
             self._group, self._gather_group = checkpoint_group(), checkpoint_group()
         if self._worker is None:
             self._stager = ReusableStager()
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtrain-checkpoint")
-        final, tmp = self._start_save(step)
+        final, tmp = manager.writes.begin(step)
         staged: dict[str, Any] = {}
-        self._all_ok(lambda: staged.update(self._stage(tmp, state, model_only)), tmp, step)
+        manager.writes.run_agreed(lambda: staged.update(self._stage(tmp, state, model_only)), tmp, step)
         fault_point("after_model", step)
         # Every rank staged and wrote its small files: from here on nothing can fail before the background part.
         upload = None
@@ -80,8 +79,8 @@ class AsyncSaveMixin:
 
         def commit() -> None:
             fault_point("before_commit", step)
-            if self.rank == 0:
-                self._commit(tmp, final, step, keep)
+            if manager.rank == 0:
+                manager.commit(tmp, final, step, keep)
 
         future = self._worker.submit(background_job, write_model, upload, commit)
         self._in_flight = InFlightSave(step, tmp, final, future)
@@ -94,23 +93,24 @@ class AsyncSaveMixin:
         shards (`shards`, gathered in the background) or the model already gathered on rank 0 (`full`,
         when the sharding is not plain FSDP, e.g. HSDP: gathered here, through the training group).
         """
-        with_optim = self.optimizer is not None and not model_only
-        states = self.states()
+        manager = self.manager
+        with_optim = manager.optimizer is not None and not model_only
+        states, sharded = manager.states(), manager.state_dict_type == "SHARDED_STATE_DICT"
         # FULL_STATE_DICT: every rank writes its part of the model files (as the synchronous save), unless the
         # model is not sharded plainly (adapters, XLA, non-float states): then rank 0 gathers it
-        shards = self._distributed_full() if self.state_dict_type != "SHARDED_STATE_DICT" else None
+        shards = manager.distributed_full() if not sharded else None
         payload: dict[str, Any] = {"model": states.model_state() if shards is None else shards}
         full = None
-        if self.state_dict_type != "SHARDED_STATE_DICT" and shards is None and not gatherable(payload["model"]):
+        if not sharded and shards is None and not gatherable(payload["model"]):
             # collective; rank 0 gets the model, the others {}
             gathered = states.full_model_state()
-            full = private_copy(gathered, self.model) if self.rank == 0 else {}
+            full = private_copy(gathered, manager.model) if manager.rank == 0 else {}
             del gathered, payload["model"]
         if with_optim:
             payload["optimizer"] = states.optimizer_state()
         staged = self._stager.stage(payload)
-        self._write_small_files(tmp, state, model_only)
-        if self.state_dict_type == "SHARDED_STATE_DICT":
+        manager.write_small_files(tmp, state, model_only)
+        if sharded:
             return {"dcp": staged, "dcp_dir": SHARDED_DIR, "full": None, "shards": None}
         dcp_payload = {"optimizer": staged["optimizer"]} if with_optim else {}
         return {"dcp": dcp_payload, "dcp_dir": OPTIMIZER_DIR, "full": full, "shards": staged.get("model"),
@@ -121,27 +121,31 @@ class AsyncSaveMixin:
         """Background, FULL_STATE_DICT, over the checkpoint's own gloo group: every rank writes its part of the
         staged shards into Hugging Face's layout (`distributed`), none holding the model whole; else the shards
         are gathered on rank 0 (unless that was done already) and rank 0 writes model.safetensors."""
+        manager = self.manager
         if distributed:
-            save_sharded_pretrained(self.model, tmp, None, rank=self.rank, world_size=dist.get_world_size(),
+            save_sharded_pretrained(manager.model, tmp, None, rank=manager.rank, world_size=dist.get_world_size(),
                                     state=shards, agree=partial(group_agree, self._gather_group),
                                     process_group=self._gather_group)
             return
         if full is None:
             full = gather_full(shards, self._gather_group)
-            for alias in self.states().tied_aliases():
+            for alias in manager.states().tied_aliases():
                 full.pop(alias, None)
-        if self.rank == 0:
+        if manager.rank == 0:
             write_full_checkpoint(full, tmp, None)
 
     def wait(self) -> Path | None:
-        """Wait for the async save in flight (collective); returns its committed path, or None if none was.
-
-        Raises:
-            CheckpointError: its background part failed on some rank; raised on every rank, and the partial
-                `.tmp-checkpoint-<step>` is removed (earlier checkpoints are untouched).
-        """
+        """`CheckpointManager.wait`: the save in flight committed (its error raised on every rank)."""
         pending, self._in_flight = self._in_flight, None
         if pending is None:
             return None
-        self._all_ok(pending.future.result, pending.tmp, pending.step)
+        self.manager.writes.run_agreed(pending.future.result, pending.tmp, pending.step)
         return pending.final
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the staging buffers and the writer thread."""
+        self.wait()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._stager.close()
+            self._worker = self._stager = None

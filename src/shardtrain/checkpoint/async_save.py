@@ -4,8 +4,8 @@
 What happens, and the decisions behind it:
 
 1. **Wait for the previous save** (`CheckpointManager.wait`): at most one save is in flight. Waiting is a
-   collective agreement (the same `_all_ok` all-reduce as the synchronous path, on the default group, from
-   the main thread): an error of the background write (disk full, permissions, a failed commit) is raised
+   collective agreement (the same `AtomicWrites.run_agreed` all-reduce as the synchronous path, on the default
+   group, from the main thread): an error of the background write (disk full, permissions, a failed commit) is raised
    on every rank at this point, so no rank hangs and the partial `.tmp-checkpoint-<step>` is removed.
 2. **Synchronous part** (the training loop is blocked): rank 0 creates `.tmp-checkpoint-<step>`; every rank
    *stages* its shard of the model and optimizer state, i.e. copies it into CPU buffers owned by the manager

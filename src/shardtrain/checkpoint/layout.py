@@ -9,6 +9,9 @@
 """
 
 import re
+from pathlib import Path
+
+from shardtrain.errors import CheckpointError
 
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -22,3 +25,13 @@ TIED_FILE = "tied_weights.json"
 RNG_PREFIX = "rng_state_"
 BASE_FILE = "base_model.json"  # adapter checkpoints: the frozen base they were trained on
 NAME = re.compile(rf"^{PREFIX}(\d+)$")
+
+
+def checkpoint_kind(path: Path) -> str:
+    """"SHARDED_STATE_DICT" or "FULL_STATE_DICT" from the files present."""
+    if (path / SHARDED_DIR).is_dir():
+        return "SHARDED_STATE_DICT"
+    if (path / MODEL_FILE).is_file() or (path / MODEL_INDEX_FILE).is_file():
+        return "FULL_STATE_DICT"
+    raise CheckpointError(f"{path} holds no model (no sharded/ and no model.safetensors); pass a checkpoint-<step> "
+                          "directory written by shardtrain")

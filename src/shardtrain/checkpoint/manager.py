@@ -19,7 +19,6 @@ So a directory named `checkpoint-<step>` is always complete, and rotation runs o
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -32,33 +31,29 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardtrain.checkpoint.async_manager import AsyncSaveMixin
+from shardtrain.checkpoint.async_manager import AsyncSaver
+from shardtrain.checkpoint.async_save import InFlightSave
+from shardtrain.checkpoint.atomic import AtomicWrites
 from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
 from shardtrain.checkpoint.hf_export import distributed_state, read_sharded_pretrained, save_sharded_pretrained
-from shardtrain.checkpoint.layout import (  # noqa: F401 (PREFIX, SHARDED_DIR, ...: re-exported for the Trainer)
+from shardtrain.checkpoint.layout import (
     BASE_FILE,
-    MODEL_FILE,
-    MODEL_INDEX_FILE,
     NAME,
     OPTIMIZER_DIR,
-    PREFIX,
     RNG_PREFIX,
     SCHEDULER_FILE,
     SHARDED_DIR,
     STATE_FILE,
     TIED_FILE,
-    TMP_PREFIX,
+    checkpoint_kind,
 )
-from shardtrain.checkpoint.manifest import manifest_problem, write_manifest
-from shardtrain.checkpoint.model_state import (  # noqa: F401 - re-exported
+from shardtrain.checkpoint.manifest import manifest_problem
+from shardtrain.checkpoint.model_state import (
     base_problem,
-    full_model_state,
-    model_class_name,
     model_config_dict,
     rng_state,
     set_rng_state,
-    tied_aliases,
 )
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.checkpoint.state_access import TorchStates
@@ -66,50 +61,7 @@ from shardtrain.errors import CheckpointError
 from shardtrain.parallel.distributed import barrier
 
 
-def checkpoint_kind(path: Path) -> str:
-    """"SHARDED_STATE_DICT" or "FULL_STATE_DICT" from the files present."""
-    if (path / SHARDED_DIR).is_dir():
-        return "SHARDED_STATE_DICT"
-    if (path / MODEL_FILE).is_file() or (path / MODEL_INDEX_FILE).is_file():
-        return "FULL_STATE_DICT"
-    raise CheckpointError(f"{path} holds no model (no sharded/ and no model.safetensors); pass a checkpoint-<step> "
-                          "directory written by shardtrain")
-
-
-def _disk_full(error: BaseException | None, directory: Path) -> bool:
-    """Whether a failed write ran out of space (torch.save and DCP lose the errno, so free space is checked)."""
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return True
-    if error is not None and ("No space left" in str(error) or "os error 28" in str(error)):
-        return True
-    try:
-        return shutil.disk_usage(directory).free < (1 << 20)
-    except OSError:
-        return False
-
-
-def _fsync(path: Path) -> None:
-    """Flush one file or directory entry to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under `root`, then the directories, `root` last."""
-    for path in [*sorted(root.rglob("*"), reverse=True), root]:
-        _fsync(path)
-
-
-class _AgreedFailure(CheckpointError):
-    """A save failure every rank knows about (raised on all ranks at once)."""
-
-    agreed = True
-
-
-class CheckpointManager(AsyncSaveMixin):
+class CheckpointManager:
     """Saves and restores a training run. All ranks call every method (they are collective).
 
     Args:
@@ -136,7 +88,8 @@ class CheckpointManager(AsyncSaveMixin):
         self.state_dict_type = state_dict_type
         self.save_total_limit = save_total_limit
         self.rank = dist.get_rank()
-        self._init_async()
+        self.writes = AtomicWrites(self.output_dir, self.rank)  # the temporary directory, agreement, commit
+        self._async = AsyncSaver(self)
 
     def states(self) -> TorchStates:
         """Access to the current model and optimizer state (see `shardtrain.checkpoint.state_access`)."""
@@ -152,25 +105,40 @@ class CheckpointManager(AsyncSaveMixin):
             CheckpointError: a rank could not write its part (disk full, permissions); every rank raises it,
                 the partial `.tmp-checkpoint-<step>` is removed and the existing checkpoints are untouched.
         """
-        final, tmp = self._start_save(step)
-        self._all_ok(lambda: self._write(tmp, state, model_only), tmp, step)
+        final, tmp = self.writes.begin(step)
+        self.writes.run_agreed(lambda: self._write(tmp, state, model_only), tmp, step)
         fault_point("before_commit", step)
-        self._all_ok(lambda: self._commit(tmp, final, step, state.best_model_checkpoint) if self.rank == 0 else None,
-                     tmp, step)
+        self.writes.run_agreed(lambda: self.commit(tmp, final, step, state.best_model_checkpoint)
+                               if self.rank == 0 else None, tmp, step)
         return final
 
-    def _start_save(self, step: int) -> tuple[Path, Path]:
-        """(final, temporary) directory of `step`; rank 0 makes a fresh temporary one (collective)."""
-        final, tmp = self.output_dir / f"{PREFIX}{step}", self.output_dir / f"{TMP_PREFIX}{step}"
+    def save_async(self, step: int, state: Any, *, model_only: bool = False) -> Path:
+        """Start writing `checkpoint-<step>` in the background; returns the path it will have once committed.
 
-        def prepare() -> None:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+        Waits for the previous async save first (and raises its error, on every rank). Returns once the state is
+        staged in CPU memory and the small files are written; the rest and the commit follow in the background
+        (see `shardtrain.checkpoint.async_save`). Call `wait()` before relying on the checkpoint (the Trainer does
+        at the next save and at the end of train).
 
-        self._all_ok(prepare if self.rank == 0 else None, tmp, step)
-        fault_point("save_start", step)
-        return final, tmp
+        Raises:
+            CheckpointError: the previous save, or this one's synchronous part, failed on some rank; every
+                rank raises it and the partial `.tmp-checkpoint-<step>` is removed.
+        """
+        return self._async.save(step, state, model_only=model_only)
+
+    def wait(self) -> Path | None:
+        """Wait for the async save in flight (collective); returns its committed path, or None if none was.
+
+        Raises:
+            CheckpointError: its background part failed on some rank; raised on every rank, and the partial
+                `.tmp-checkpoint-<step>` is removed (earlier checkpoints are untouched).
+        """
+        return self._async.wait()
+
+    @property
+    def in_flight(self) -> InFlightSave | None:
+        """The async save started and not yet waited for (its step, directories and future), if any."""
+        return self._async.in_flight
 
     def _write(self, tmp: Path, state: Any, model_only: bool) -> None:
         """Every rank writes its part of the checkpoint into `tmp` (collective)."""
@@ -183,20 +151,21 @@ class CheckpointManager(AsyncSaveMixin):
                 payload["optimizer"] = states.optimizer_state()
             dcp.save(payload, checkpoint_id=str(tmp / SHARDED_DIR))
         else:
-            if (shards := self._distributed_full()) is not None:  # every rank writes its part of the files
+            if (shards := self.distributed_full()) is not None:  # every rank writes its part of the files
                 save_sharded_pretrained(self.model, tmp, None, rank=self.rank, world_size=dist.get_world_size(),
-                                        state=shards, agree=lambda problem: self._agree(problem, tmp, step))
+                                        state=shards, agree=lambda problem: self.writes.agree(problem, tmp, step))
             else:
                 full = states.full_model_state()
-                self._all_ok(lambda: write_full_checkpoint(full, tmp, None) if self.rank == 0 else None, tmp, step)
+                self.writes.run_agreed(lambda: write_full_checkpoint(full, tmp, None) if self.rank == 0 else None,
+                                       tmp, step)
                 del full
             del shards
             if with_optim:
                 dcp.save({"optimizer": states.optimizer_state()}, checkpoint_id=str(tmp / OPTIMIZER_DIR))
         fault_point("after_model", step)
-        self._write_small_files(tmp, state, model_only)
+        self.write_small_files(tmp, state, model_only)
 
-    def _write_small_files(self, tmp: Path, state: Any, model_only: bool) -> None:
+    def write_small_files(self, tmp: Path, state: Any, model_only: bool) -> None:
         """RNG state of every rank; on rank 0 config, tied names, scheduler and trainer state."""
         torch.save(rng_state(), tmp / f"{RNG_PREFIX}{self.rank}.pt")
         if self.rank == 0:
@@ -212,69 +181,19 @@ class CheckpointManager(AsyncSaveMixin):
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
             state.save(tmp / STATE_FILE)
 
-    def _commit(self, tmp: Path, final: Path, step: int, keep: str | None) -> None:
-        """Rank 0: manifest, fsync, rename `tmp` to `final`, rotate."""
-        write_manifest(tmp)
-        _fsync_tree(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old copy
-            old = self.output_dir / f"{TMP_PREFIX}{step}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-        _fsync(self.output_dir)
+    def commit(self, tmp: Path, final: Path, step: int, keep: str | None) -> None:
+        """Rank 0: publish `tmp` as `final` (manifest, fsync, rename), then rotate, keeping `keep` (the best)."""
+        self.writes.publish(tmp, final, step)
         fault_point("before_rotate", step)
         self._rotate(keep=keep)
 
-    def _distributed_full(self) -> dict[str, torch.Tensor] | None:
+    def distributed_full(self) -> dict[str, torch.Tensor] | None:
         """FULL_STATE_DICT's model files written and read by every rank, none holding the model whole
         (`hf_export`): this rank's shards, or None where they are gathered on rank 0 (adapters only, XLA, an
         unsharded model, non-float states)."""
         if self.state_access is not TorchStates or self.frozen_base is not None:
             return None
         return distributed_state(self.model)
-
-    def _agree(self, problem: str | None, tmp: Path, step: int) -> None:
-        """Collective: raise the same error on every rank if any rank passed a `problem`."""
-        def fail() -> None:
-            if problem is not None:
-                raise CheckpointError(problem)
-
-        self._all_ok(fail, tmp, step)
-
-    def _all_ok(self, work: Any, tmp: Path, step: int) -> None:
-        """Run `work` (None: nothing on this rank), then agree across ranks that it worked everywhere.
-
-        A rank that fails must not leave its peers waiting in the next collective: the failure is shared
-        through one all-reduce, the partial directory is removed, and every rank raises the same error.
-        """
-        error: BaseException | None = None
-        try:
-            if work is not None:
-                work()
-        except _AgreedFailure:
-            raise  # a nested agreement already failed on every rank
-        except (Exception, CheckpointException) as err:  # noqa: B014 - DCP's error is not always an Exception
-            error = err
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
-            failed = failed.cuda()
-        dist.all_reduce(failed)
-        if not int(failed.item()):
-            return
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if _disk_full(error, self.output_dir):
-            message = (f"no space left on device in {self.output_dir} while saving {PREFIX}{step}; the partial "
-                       f"checkpoint was removed and earlier checkpoints are intact. Free space, or lower "
-                       f"save_total_limit")
-        elif error is not None:
-            message = f"could not save {PREFIX}{step} in {self.output_dir}: {type(error).__name__}: {error}"
-        else:
-            message = f"could not save {PREFIX}{step} in {self.output_dir}: another rank failed (see its error)"
-        raise _AgreedFailure(message) from error
 
     @classmethod
     def resumable(cls, output_dir: str | Path) -> tuple[Path | None, list[str]]:
@@ -335,11 +254,7 @@ class CheckpointManager(AsyncSaveMixin):
 
     def close(self) -> None:
         """Wait for an async save in flight (raising its error), release its buffers and thread; then a barrier."""
-        self.wait()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._stager.close()
-            self._worker = self._stager = None
+        self._async.close()
         barrier()
 
     # -- internals ------------------------------------------------------------------------------------
@@ -416,7 +331,7 @@ class CheckpointManager(AsyncSaveMixin):
 
     def _load_full(self, path: Path, load_optim: bool) -> None:
         states = self.states()
-        if (shards := self._distributed_full()) is not None:  # each rank reads its slices of the files
+        if (shards := self.distributed_full()) is not None:  # each rank reads its slices of the files
             read_sharded_pretrained(shards, path)
             tied = {alias: shards[name] for alias, name in states.tied_aliases().items()}
             states.load_model_state({**shards, **tied})

@@ -20,8 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, read_full_checkpoint, write_full_checkpoint
-from shardtrain.checkpoint.layout import BASE_FILE, SHARDED_DIR
-from shardtrain.checkpoint.manager import checkpoint_kind
+from shardtrain.checkpoint.layout import BASE_FILE, SHARDED_DIR, checkpoint_kind
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.errors import CheckpointError
 

@@ -116,8 +116,9 @@ class TrainingBackend:
             return model
         source = self._weight_source(model, spec.fsdp.cpu_ram_efficient_loading)
         full_state = model.state_dict() if source == RANK0 and self.rank == 0 else {}  # the unsharded tensors
-        if not has_meta_tensors(model):
-            model.to(self.device)
+        # No model.to(device) first: each fully_shard moves its own unit's tensors to the mesh's device and
+        # shards them there (tp / ep's distribute_tensor do the same), so a GPU holds one unit unsharded at a
+        # time during setup, never the whole model
         apply_parallelism(model, meshes, dims, spec.fsdp, tp_plan=spec.tp_plan, mixed_precision=spec.mixed_precision,
                           compile_options=compile_options)
         if isinstance(source, tuple):  # every rank reads its shards from the directory

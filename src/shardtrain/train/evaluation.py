@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,8 +12,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, Sampler
 from transformers import EvalPrediction
-from transformers.trainer_utils import PredictionOutput
+from transformers.trainer_utils import PredictionOutput, speed_metrics
 
 from shardtrain.errors import DataError
 from shardtrain.model_facts import IGNORE_INDEX
@@ -24,9 +26,11 @@ from shardtrain.train.data import (
     SeededIndices,
     derive_seed,
     isolated_rng,
+    passthrough,
 )
 from shardtrain.train.loss import LossComputer, batch_rows
-from shardtrain.train.validation import per_rank
+from shardtrain.train.streaming import is_stream
+from shardtrain.train.validation import over_data_ranks, per_rank
 
 
 def _first_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
@@ -96,6 +100,29 @@ class EvalLoop:
         # include_for_metrics ["inputs"]: this batch key's rows go to EvalPrediction.inputs (None: no inputs)
         self.inputs_key = inputs_key
         self.rows = 0  # real rows this rank evaluated
+
+    def evaluate(self, source: Any, prefix: str, compute_metrics: Callable | None,
+                 with_predictions: bool) -> tuple[PredictionOutput, int]:
+        """Evaluate `source`: a map-style dataset (`run`), a stream (`run_stream`) or a loader that is not
+        shardtrain's (`run_loader`), with Hugging Face's speed metrics under `prefix`.
+
+        Returns:
+            the output and the number of samples evaluated (over every data-parallel rank).
+        """
+        start, global_batch = time.time(), self.batch_size * self.dp_size
+        if isinstance(source, DataLoader):
+            output = self.run_loader(source, prefix, compute_metrics, with_predictions)
+            samples, steps = len(source) * global_batch, len(source)
+        elif is_stream(source):
+            output = self.run_stream(source, prefix, compute_metrics, with_predictions)
+            samples = over_data_ranks(self.rows, self.backend.all_reduce, self.device, self.dp_size,
+                                      self.backend.world_size)
+            steps = -(-samples // global_batch)
+        else:
+            output = self.run(source, prefix, compute_metrics, with_predictions)
+            samples, steps = len(source), -(-len(source) // global_batch)
+        output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=steps))
+        return output, samples
 
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
@@ -293,3 +320,42 @@ class EvalLoop:
             preds.append(logits[row, :end] if end is not None else logits[row])
             if batch_labels is not None:
                 labels.append(batch_labels[row, :end] if end is not None else batch_labels[row])
+
+
+SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks
+
+
+def eval_loader(dataset: Any, collator: Callable, *, batch_size: int, dp_rank: int, dp_size: int,
+                seed: int) -> DataLoader:
+    """`get_eval_dataloader`'s loader: this data-parallel rank's contiguous share of `dataset`, collated (a stream:
+    every element). It stands for its dataset: `loader_source` gives the dataset back, which `EvalLoop.evaluate`
+    evaluates exactly over every rank."""
+    if is_stream(dataset):  # read by EvalLoop.run_stream; iterating this loader gives every element
+        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collator)
+    else:
+        per_rank = -(-len(dataset) // dp_size)
+        indices = list(range(dp_rank * per_rank, min(len(dataset), (dp_rank + 1) * per_rank)))
+        batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+        loader = DataLoader(CollatingDataset(dataset, collator), batch_sampler=_FixedBatches(batches, seed),
+                            collate_fn=passthrough)
+    setattr(loader, SHARED_DATASET, dataset)
+    return loader
+
+
+def loader_source(loader: Any) -> Any:
+    """The dataset an `eval_loader` stands for; any other loader (an override's) is its own source."""
+    return getattr(loader, SHARED_DATASET, loader)
+
+
+class _FixedBatches(Sampler):
+    """A batch sampler over fixed index lists (each with its own collation seed)."""
+
+    def __init__(self, batches: list[list[int]], seed: int) -> None:
+        self.batches, self.seed = batches, seed
+
+    def __iter__(self) -> Iterator[SeededIndices]:
+        for i, batch in enumerate(self.batches):
+            yield SeededIndices(batch, derive_seed(self.seed, "share", i))
+
+    def __len__(self) -> int:
+        return len(self.batches)

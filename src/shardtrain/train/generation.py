@@ -15,11 +15,13 @@ stepping, and the placeholders of short data shares keep the number of `generate
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardtrain.errors import TrainingArgumentsError
 from shardtrain.model_facts import IGNORE_INDEX
 
 
@@ -78,3 +80,28 @@ def generate_answers(model: nn.Module, batch: dict[str, torch.Tensor], *, pad_to
                 row.pop()
         generated.append(row)
     return generated, answers
+
+
+def eval_generator(model: nn.Module, *, causal_lm: bool, max_length: int | None,
+                   num_beams: int | None) -> Callable[[dict[str, torch.Tensor]], tuple[list, list]]:
+    """`predict_with_generate`'s step: a collated batch -> (generated answers, reference answers), with the model's
+    EOS tokens as stop tokens and its pad token (else its first EOS, as transformers) for padding.
+
+    Raises:
+        TrainingArgumentsError: `model` is not a causal language model with `generate()`.
+    """
+    if not causal_lm or not callable(getattr(model, "generate", None)):
+        raise TrainingArgumentsError(f"predict_with_generate needs a causal language model with generate(); "
+                                     f"{type(model).__name__} is not one; set predict_with_generate=False")
+    config = getattr(model, "generation_config", None) or getattr(model, "config", None)
+    eos = getattr(config, "eos_token_id", None)
+    eos = list(eos) if isinstance(eos, list | tuple) else ([eos] if eos is not None else [])
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else 0
+    stops = set(eos)
+
+    def generate(batch: dict[str, torch.Tensor]) -> tuple[list, list]:
+        return generate_answers(model, batch, pad_token_id=pad, stop_token_ids=stops, max_length=max_length,
+                                num_beams=num_beams)
+    return generate

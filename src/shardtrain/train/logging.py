@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,25 @@ class MetricsLogger:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(f"{line}\n" for line in kept))
         tmp.replace(path)
+
+    def throughput_and_memory(self, all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
+                              device: torch.device) -> dict[str, Any]:
+        """Tokens/s since `start`, and every rank's peak memory (collective: one small all-gather)."""
+        mine = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=device)
+        per_rank = [round(float(t), 1) for t in all_gather(mine)]
+        return {"tokens_per_second": round(self.tokens_per_second, 1), "peak_memory_mb": max(per_rank),
+                "peak_memory_mb_per_rank": per_rank, "memory_kind": memory_kind()}
+
+    def draw_report(self) -> None:
+        """output_dir/report.png from metrics.jsonl (rank 0, when matplotlib is installed)."""
+        if not self.is_main:
+            return
+        from shardtrain.train.report import draw_report
+
+        try:
+            draw_report(self.output_dir / "metrics.jsonl", self.output_dir / "report.png")
+        except ImportError:
+            return  # matplotlib is an extra: pip install 'shardtrain[report]'
 
     def close(self) -> None:
         return None

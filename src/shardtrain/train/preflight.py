@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.manager import OPTIMIZER_DIR, PREFIX, SHARDED_DIR, CheckpointManager
+from shardtrain.checkpoint.layout import OPTIMIZER_DIR, PREFIX, SHARDED_DIR
+from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
 from shardtrain.train.validation import ModelLimits, validate_dataset
 

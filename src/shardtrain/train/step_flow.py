@@ -9,13 +9,14 @@ leaves only the flags other callbacks set, as under Hugging Face."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.manager import PREFIX
-from shardtrain.train.logging import memory_kind, peak_memory_mb
+from shardtrain.checkpoint.layout import PREFIX
 
 
 def nan_inf_filtered(losses: list[float]) -> list[float]:
@@ -27,70 +28,99 @@ def nan_inf_filtered(losses: list[float]) -> list[float]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class BestMetric:
+    """Which evaluation is the best so far: `metric_for_best_model` (with or without its `eval_` prefix), higher
+    or lower as `greater_is_better` says. A pure rule over metrics and `TrainerState`."""
+
+    name: str | None
+    greater_is_better: bool | None
+
+    @classmethod
+    def of(cls, args: Any) -> BestMetric:
+        return cls(name=args.metric_for_best_model, greater_is_better=args.greater_is_better)
+
+    def value(self, metrics: dict[str, float] | None) -> float | None:
+        if not metrics or not self.name:
+            return None
+        return metrics.get(self.name, metrics.get(f"eval_{self.name}"))
+
+    def improves(self, metrics: dict[str, float] | None, best: float | None) -> bool:
+        """Whether `metrics` beat `best` (None: nothing yet)."""
+        value = self.value(metrics)
+        if value is None:
+            return False
+        return best is None or (value > best if self.greater_is_better else value < best)
+
+    def record(self, state: Any, metrics: dict[str, float] | None, checkpoint: str | None = None) -> None:
+        """Make `metrics` (of `state.global_step`, saved in `checkpoint` when given) the best, when they improve."""
+        if self.improves(metrics, state.best_metric):
+            state.best_metric = self.value(metrics)
+            state.best_global_step = state.global_step
+            if checkpoint is not None:
+                state.best_model_checkpoint = checkpoint
+
+
+class LossWindow:
+    """The steps' losses since the last log entry (local token sums and global counts) and the run's `train_loss`.
+
+    Each step's loss is the global token sum / count; the sums are all-reduced once per log entry, not per step.
+    """
+
+    def __init__(self, all_reduce: Callable[[torch.Tensor], None], nan_inf_filter: bool) -> None:
+        self._all_reduce, self._nan_inf_filter = all_reduce, nan_inf_filter
+        self._steps: list[tuple[torch.Tensor, int]] = []
+        self._total, self._count = 0.0, 0
+
+    def __bool__(self) -> bool:
+        return bool(self._steps)
+
+    def add(self, loss_sum: torch.Tensor, tokens: int) -> None:
+        """One step: this rank's loss sum (a tensor, not synchronised) and the step's global target count."""
+        self._steps.append((loss_sum, tokens))
+
+    def fold(self) -> list[float]:
+        """The window's step losses, added to `train_loss`; empties the window. At the end of training the steps
+        no entry logged are folded in this way too, as Hugging Face's `train_loss` counts them."""
+        sums = torch.stack([s for s, _ in self._steps])
+        self._all_reduce(sums)  # every token's loss once
+        losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, self._steps, strict=True)]
+        if self._nan_inf_filter:
+            losses = nan_inf_filtered(losses)
+        self._total, self._count = self._total + sum(losses), self._count + len(losses)
+        self._steps.clear()
+        return losses
+
+    @property
+    def training_loss(self) -> float:
+        """The mean step loss of every step folded so far."""
+        return self._total / max(self._count, 1)
+
+
 class StepFlowMixin:
     """Logging, evaluation and saving after each step and epoch; callbacks."""
 
-    def _maybe_log_evaluate_save(self, window: list, grad_norm: torch.Tensor) -> None:
+    def _maybe_log_evaluate_save(self, window: LossWindow, grad_norm: torch.Tensor) -> None:
         """Hugging Face's `_maybe_log_save_evaluate`: log (the losses of the steps in `window`), evaluate, save,
         as the `control` flags say (each event resets its flag)."""
-        args, step = self.args, self.state.global_step
+        args, step, best = self.args, self.state.global_step, BestMetric.of(self.args)
         if window and self.control.should_log:
-            losses = self._fold_losses(window)
-            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm),
-                    "learning_rate": self._step_lr, **self._throughput_and_memory()}
+            losses = window.fold()
+            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm), "learning_rate": self._step_lr,
+                    **self.logger.throughput_and_memory(self.backend.all_gather, self.device)}
             self.log(logs)
         metrics = None
         if self.control.should_evaluate:
             metrics = self.evaluate()
             self._report_to_hp_search(self._trial, step, metrics)  # Hugging Face's: a trial's intermediate value
             if args.save_strategy == "best":
-                self.control.should_save = self._improves_best(metrics)
+                self.control.should_save = best.improves(metrics, self.state.best_metric)
         if self.control.should_save:
             # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
-            self._update_best(metrics, str(Path(self._get_output_dir(self._trial)) / f"{PREFIX}{step}"))
+            best.record(self.state, metrics, str(Path(self._get_output_dir(self._trial)) / f"{PREFIX}{step}"))
             self._save_checkpoint(self.model, self._trial)
         elif metrics is not None:
-            self._update_best(metrics)
-
-    def _fold_losses(self, window: list) -> list[float]:
-        """The step losses of `window` (each a global token sum / count: one all-reduce over the loss mesh), added
-        to `train_loss`'s total; empties `window`. At the end of training the steps logged by no entry are folded in
-        this way too, as Hugging Face's `train_loss` counts them."""
-        sums = torch.stack([s for s, _ in window])
-        self.backend.all_reduce(sums, group=self.meshes.loss.get_group())  # every token's loss once
-        losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, window, strict=True)]
-        if self.args.logging_nan_inf_filter:
-            losses = nan_inf_filtered(losses)
-        self._loss_total, self._loss_steps = self._loss_total + sum(losses), self._loss_steps + len(losses)
-        window.clear()
-        return losses
-
-    def _throughput_and_memory(self) -> dict[str, Any]:
-        """Tokens/s since train() started, and every rank's peak memory (one small all-gather per log)."""
-        mine = torch.tensor([peak_memory_mb()], dtype=torch.float64, device=self.device)
-        per_rank = [round(float(t), 1) for t in self.backend.all_gather(mine)]
-        return {"tokens_per_second": round(self.logger.tokens_per_second, 1), "peak_memory_mb": max(per_rank),
-                "peak_memory_mb_per_rank": per_rank, "memory_kind": memory_kind()}
-
-    def _metric_value(self, metrics: dict[str, float] | None) -> float | None:
-        name = self.args.metric_for_best_model
-        if not metrics or not name:
-            return None
-        return metrics.get(name, metrics.get(f"eval_{name}"))
-
-    def _improves_best(self, metrics: dict[str, float] | None) -> bool:
-        """Whether `metrics` beat `state.best_metric` on `metric_for_best_model`."""
-        value, best = self._metric_value(metrics), self.state.best_metric
-        if value is None:
-            return False
-        return best is None or (value > best if self.args.greater_is_better else value < best)
-
-    def _update_best(self, metrics: dict[str, float] | None, checkpoint: str | None = None) -> None:
-        if self._improves_best(metrics):
-            self.state.best_metric = self._metric_value(metrics)
-            self.state.best_global_step = self.state.global_step
-            if checkpoint is not None:
-                self.state.best_model_checkpoint = checkpoint
+            best.record(self.state, metrics)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Hugging Face's hook (same signature, so a library's override that calls super() works): write
@@ -109,17 +139,6 @@ class StepFlowMixin:
         self.state.log_history.append(entry)
         self.logger.log(entry)
         self._fire("on_log", logs=entry)
-
-    def _draw_report(self) -> None:
-        """output_dir/report.png from metrics.jsonl (rank 0, when matplotlib is installed)."""
-        if self.rank != 0:
-            return
-        try:
-            from shardtrain.train.report import draw_report
-
-            draw_report(Path(self.args.output_dir) / "metrics.jsonl", Path(self.args.output_dir) / "report.png")
-        except ImportError:
-            return  # matplotlib is an extra: pip install 'shardtrain[report]'
 
     def _fire(self, event: str, **kwargs: Any) -> None:
         """Fire `event` through transformers' `CallbackHandler` (it passes the model, processing class, optimizer

@@ -52,7 +52,7 @@ from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
 from shardtrain.train.preflight import DatasetChecks, check_training_inputs, resolve_resume
 from shardtrain.train.router_loss import RouterLoss
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
-from shardtrain.train.step_flow import StepFlowMixin
+from shardtrain.train.step_flow import LossWindow, StepFlowMixin
 from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
 from shardtrain.train.trainer_api import TrainerAPIMixin
 from shardtrain.train.training_data import TrainingData
@@ -301,7 +301,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         if resume is not None:
             self._load_for_resume(resume, plan, max_steps)
         start_step, start_time = self.state.global_step, time.time()
-        self._loss_total, self._loss_steps = 0.0, 0
+        window = LossWindow(lambda t: self.backend.all_reduce(t, group=self.meshes.loss.get_group()),
+                            nan_inf_filter=args.logging_nan_inf_filter)
         self.model.train()
         self.control.should_training_stop = False
         self._fire("on_train_begin")
@@ -312,7 +313,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         self.preemption.install()
         neftune = activate_neftune(self.model, self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         try:
-            self._train_loop(data, plan, max_steps)
+            self._train_loop(data, plan, max_steps, window)
         except KeyboardInterrupt:
             if self.rank == 0:
                 print(f"error: interrupted at step {self.state.global_step}; resume with "
@@ -321,7 +322,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         except Preempted as preempted:
             self._checkpoint_and_exit(preempted)
         except PrunedElsewhere:  # rank 0's study pruned this trial (hp_search.py); rank 0 raised optuna's error
-            return TrainOutput(self.state.global_step, self._loss_total / max(self._loss_steps, 1), {})
+            return TrainOutput(self.state.global_step, window.training_loss, {})
         finally:
             if neftune is not None:
                 deactivate_neftune(self.model, neftune)
@@ -335,10 +336,10 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         self._checkpoints().keep_best_only(self.state.best_model_checkpoint)
         steps = self.state.global_step - start_step
         metrics = speed_metrics("train", start_time, num_samples=steps * plan.global_batch_size, num_steps=steps)
-        training_loss = self._loss_total / max(self._loss_steps, 1)
+        training_loss = window.training_loss
         metrics.update(total_flos=self.state.total_flos, train_loss=training_loss, epoch=self.state.epoch)
         self.log(dict(metrics))
-        self._draw_report()
+        self.logger.draw_report()
         self._fire("on_train_end")
         return TrainOutput(self.state.global_step, training_loss, metrics)
 
@@ -379,8 +380,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         if self.rank == 0:
             self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
 
-    def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int) -> None:
-        window: list[tuple[torch.Tensor, int]] = []
+    def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int,
+                    window: LossWindow) -> None:
         grad_norm = torch.zeros(())
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             # where the data stands: derived from the step (map-style), or saved with it (a stream)
@@ -396,7 +397,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
                 self.state.data_epoch, self.state.data_step = epoch, step + 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
                     float(epoch)  # a stream: the passes completed
-                window.append((loss_sum, tokens))
+                window.add(loss_sum, tokens)
                 self.logger.step_done(self.state.num_input_tokens_seen)
                 self._fire("on_step_end")
                 self._maybe_log_evaluate_save(window, grad_norm)
@@ -410,7 +411,7 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
             self._fire("on_epoch_end")
             self._maybe_log_evaluate_save(window, grad_norm)  # what on_epoch_end asked for (epoch strategies)
         if window:  # steps after the last log entry: in train_loss, as under Hugging Face
-            self._fold_losses(window)
+            window.fold()
 
     def _flop_params(self) -> int:
         """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""

@@ -4,26 +4,20 @@ metrics files, callbacks, dataloaders. Same names, arguments and files as `trans
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
-from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, speed_metrics
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput
 
-from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_checkpoint
-from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
-from shardtrain.checkpoint.model_state import model_config_dict
-from shardtrain.errors import DataError, HubError, OutputDirError, TrainingArgumentsError
-from shardtrain.train.data import CollatingDataset, SeededIndices, derive_seed, passthrough
-from shardtrain.train.evaluation import EvalLoop
-from shardtrain.train.generation import generate_answers
-from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
+from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES
+from shardtrain.errors import DataError, HubError, TrainingArgumentsError
+from shardtrain.train.evaluation import EvalLoop, eval_loader, loader_source
+from shardtrain.train.generation import eval_generator
+from shardtrain.train.model_export import ModelExport
 from shardtrain.train.streaming import is_stream
-from shardtrain.train.validation import ModelLimits, agree, over_data_ranks, writable_problem
-
-SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks
+from shardtrain.train.validation import ModelLimits
 
 
 class TrainerAPIMixin:
@@ -74,7 +68,7 @@ class TrainerAPIMixin:
         batches (an override's) are this rank's, gathered in rank order.
         """
         loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
-        source = getattr(dataloader, SHARED_DATASET, dataloader)
+        source = loader_source(dataloader)
         output, samples = self._run_prediction(source, metric_key_prefix, with_predictions=not loss_only,
                                                ignore_keys=ignore_keys, keep_predictions=description == "Prediction"
                                                or not self.args.batch_eval_metrics)
@@ -97,34 +91,26 @@ class TrainerAPIMixin:
         stream = is_stream(dataset)
         if not (foreign or stream):
             self._validate_eval_dataset(dataset, f"{prefix}_dataset")
-        start = time.time()
         batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
         # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
         user_step = self._user_prediction_step(ignore_keys)
+        generate = None
+        if self.args.predict_with_generate and user_step is None:
+            generate = eval_generator(self.model, causal_lm=self.loss_computer.shift_labels,
+                                      max_length=self.args.generation_max_length,
+                                      num_beams=self.args.generation_num_beams)
         loop = EvalLoop(self.model, self.loss_computer, self._eval_collator(), batch_size,
                         self.dp_rank, self.dims.batch_size, self.device, self.preprocess_logits_for_metrics,
                         seed=self.args.seed, on_step=self._prediction_batch_done, cp=self.cp,
                         prepare=lambda batch: self._model_inputs(batch, add_labels=False),
                         loss_group=self.meshes.loss.get_group(),
-                        generate=self._generate_batch if self.args.predict_with_generate and user_step is None
-                        else None,
+                        generate=generate,
                         collects=self._collects_predictions, backend=self.backend,
                         prediction_step=user_step, batch_metrics=self.args.batch_eval_metrics,
                         keep_predictions=keep_predictions,
                         inputs_key=getattr(self.model, "main_input_name", "input_ids")
                         if "inputs" in (self.args.include_for_metrics or []) else None)
-        if foreign:
-            output = loop.run_loader(dataset, prefix, self.compute_metrics, with_predictions)
-            samples, steps = len(dataset) * batch_size * self.dims.batch_size, len(dataset)
-        elif stream:
-            output = loop.run_stream(dataset, prefix, self.compute_metrics, with_predictions)
-            samples = over_data_ranks(loop.rows, self.backend.all_reduce, self.device, self.dims.batch_size,
-                                      self.world_size)
-            steps = -(-samples // (batch_size * self.dims.batch_size))
-        else:
-            output = loop.run(dataset, prefix, self.compute_metrics, with_predictions)
-            samples, steps = len(dataset), -(-len(dataset) // (batch_size * self.dims.batch_size))
-        output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=steps))
+        output, samples = loop.evaluate(dataset, prefix, self.compute_metrics, with_predictions)
         if self.state.epoch is not None and prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
         return output, samples
@@ -155,21 +141,6 @@ class TrainerAPIMixin:
         coords = self.dims.rank_coords(self.rank)
         return coords["cp"] == 0 and coords["tp"] == 0
 
-    def _generate_batch(self, batch: dict) -> tuple[list, list]:
-        """predict_with_generate: (generated answers, reference answers) of a collated batch (collective)."""
-        if not self.loss_computer.shift_labels or not callable(getattr(self.model, "generate", None)):
-            raise TrainingArgumentsError(f"predict_with_generate needs a causal language model with generate(); "
-                                         f"{type(self.model).__name__} is not one; set predict_with_generate=False")
-        config = getattr(self.model, "generation_config", None) or getattr(self.model, "config", None)
-        eos = getattr(config, "eos_token_id", None)
-        eos = list(eos) if isinstance(eos, list | tuple) else ([eos] if eos is not None else [])
-        pad = getattr(config, "pad_token_id", None)
-        if pad is None:  # as transformers does: pad with the (first) EOS
-            pad = eos[0] if eos else 0
-        stops = set(eos)
-        return generate_answers(self.model, batch, pad_token_id=pad, stop_token_ids=stops,
-                                max_length=self.args.generation_max_length, num_beams=self.args.generation_num_beams)
-
     # -- dataloaders (for scripts that iterate themselves) ------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
         """This rank's micro-batches of the first epoch, exactly as `train()` draws them."""
@@ -192,21 +163,10 @@ class TrainerAPIMixin:
                                   need_targets=False)
 
     def _share_loader(self, dataset: Any, name: str) -> DataLoader:
-        if is_stream(dataset):  # read by EvalLoop.run_stream; iterating this loader gives every element
-            loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size,
-                                collate_fn=self._eval_collator())
-            setattr(loader, SHARED_DATASET, dataset)
-            return loader
-        self._validate_eval_dataset(dataset, name)
-        per_rank = -(-len(dataset) // self.dims.batch_size)
-        indices = list(range(self.dp_rank * per_rank, min(len(dataset), (self.dp_rank + 1) * per_rank)))
-        size = self.args.per_device_eval_batch_size
-        batches = [indices[i:i + size] for i in range(0, len(indices), size)]
-        sampler = _FixedBatches(batches, self.args.seed)
-        loader = DataLoader(CollatingDataset(dataset, self._eval_collator()), batch_sampler=sampler,
-                            collate_fn=passthrough)
-        setattr(loader, SHARED_DATASET, dataset)  # evaluation_loop evaluates the dataset itself, exactly
-        return loader
+        if not is_stream(dataset):
+            self._validate_eval_dataset(dataset, name)
+        return eval_loader(dataset, self._eval_collator(), batch_size=self.args.per_device_eval_batch_size,
+                           dp_rank=self.dp_rank, dp_size=self.dims.batch_size, seed=self.args.seed)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,
@@ -224,53 +184,10 @@ class TrainerAPIMixin:
         merged adapters, XLA and non-float states are gathered on rank 0 (`_gather_on_rank0` forces that path:
         the benchmark compares the two).
         """
-        out = Path(output_dir or self.args.output_dir)
-        agree(writable_problem(out, "save_model directory") if self.rank == 0 else None, OutputDirError)
-        if not (_gather_on_rank0 or is_peft_model(self.model)) and self.backend.name == "fsdp2":
-            sharded = sharded_state(self.model)
-            if unsupported(sharded) is None:
-                save_sharded_pretrained(self.model, out, model_config_dict(self.model), rank=self.rank,
-                                        world_size=self.world_size, state=sharded, max_shard_bytes=_max_shard_bytes,
-                                        agree=lambda problem: agree(problem, OutputDirError))
-                self._on_rank0(out, lambda: self._write_side_files(out, self.model))
-                return out
-        adapters_only = is_peft_model(self.model) and not merge_adapters
-        state = self.backend.full_model_state(self.model, trainable_only=adapters_only)
-        self._on_rank0(out, lambda: self._write_model_files(out, state, adapters_only, merge_adapters,
-                                                            _max_shard_bytes))
-        return out
-
-    def _on_rank0(self, out: Path, work: Any) -> None:
-        """Run `work` on rank 0; if it fails to write, every rank raises OutputDirError."""
-        problem = None
-        if self.rank == 0:
-            try:
-                work()
-            except OSError as err:
-                problem = f"could not write the model to {out}: {err}; free space or choose another directory"
-        agree(problem, OutputDirError)
-
-    def _write_model_files(self, out: Path, state: dict, adapters_only: bool, merge_adapters: bool,
-                           max_shard_bytes: int) -> None:
-        model, config = self.model, model_config_dict(self.model)
-        if adapters_only:
-            write_adapter(self.model, state, out)
-        else:
-            if merge_adapters and is_peft_model(self.model):
-                state, model = merged_state(self.model, state)
-                config = model_config_dict(model)
-            write_full_checkpoint(state, out, config, max_shard_bytes)
-        self._write_side_files(out, model)
-
-    def _write_side_files(self, out: Path, model: Any) -> None:
-        """generation_config.json (generative models), the processing class's files, training_args.json."""
-        generation = getattr(model, "generation_config", None)
-        can_generate = getattr(model, "can_generate", lambda: False)()
-        if generation is not None and can_generate:
-            generation.save_pretrained(out)
-        if hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(out)
-        (out / "training_args.json").write_text(self.args.to_json_string())
+        return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
+                                              processing_class=self.processing_class,
+                                              args_json=self.args.to_json_string(), merge_adapters=merge_adapters,
+                                              gather_on_rank0=_gather_on_rank0, max_shard_bytes=_max_shard_bytes)
 
     def create_model_card(self, model_name: str | None = None, **kwargs: Any) -> None:
         """A short README.md in output_dir: what was trained, how, and the last logged results."""
@@ -292,17 +209,3 @@ class TrainerAPIMixin:
     def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
         raise HubError("shardtrain does not upload to the Hugging Face Hub; after save_model, upload the directory "
                        "with huggingface_hub (HfApi().upload_folder(folder_path=..., repo_id=...))")
-
-
-class _FixedBatches(Sampler):
-    """A batch sampler over fixed index lists (each with its own collation seed)."""
-
-    def __init__(self, batches: list[list[int]], seed: int) -> None:
-        self.batches, self.seed = batches, seed
-
-    def __iter__(self):
-        for i, batch in enumerate(self.batches):
-            yield SeededIndices(batch, derive_seed(self.seed, "share", i))
-
-    def __len__(self) -> int:
-        return len(self.batches)

@@ -1,0 +1,96 @@
+"""`ModelExport`: what `Trainer.save_model` writes, a directory `from_pretrained` loads, from a parallelised model.
+
+    ModelExport(backend).save(model, Path("out"), processing_class=tokenizer, args_json=args.to_json_string())
+
+A whole FSDP2 model is written by every rank, none holding it whole (`checkpoint/hf_export.py`); adapters,
+merged adapters, XLA and non-float states are gathered on rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_checkpoint
+from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
+from shardtrain.checkpoint.model_state import model_config_dict
+from shardtrain.errors import OutputDirError
+from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
+from shardtrain.train.validation import agree, writable_problem
+
+
+class ModelExport:
+    """Writes a parallelised model in Hugging Face's layout. Every rank calls `save` (it is collective).
+
+    Args:
+        backend: the Trainer's backend (its name, rank, world size and `full_model_state`).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def save(self, model: nn.Module, out: Path, *, processing_class: Any = None, args_json: str | None = None,
+             merge_adapters: bool = False, gather_on_rank0: bool = False,
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+        """Write config.json (with `architectures`), safetensors, generation_config.json for generative models,
+        the processing class's files and training_args.json (`args_json`) into `out`.
+
+        The directory is checked before the model is gathered, and a failed write raises `OutputDirError` on
+        every rank. A PEFT model writes its adapter (what `PeftModel.from_pretrained(base, dir)` loads), or with
+        `merge_adapters` the base with the adapters merged in (peft's `merge_and_unload`). `gather_on_rank0`
+        forces the rank-0 path (the benchmark compares the two).
+        """
+        rank = self.backend.rank
+        agree(writable_problem(out, "save_model directory") if rank == 0 else None, OutputDirError)
+        side_files = self._side_files(out, processing_class, args_json)
+        if not (gather_on_rank0 or is_peft_model(model)) and self.backend.name == "fsdp2":
+            sharded = sharded_state(model)
+            if unsupported(sharded) is None:
+                save_sharded_pretrained(model, out, model_config_dict(model), rank=rank,
+                                        world_size=self.backend.world_size, state=sharded,
+                                        max_shard_bytes=max_shard_bytes,
+                                        agree=lambda problem: agree(problem, OutputDirError))
+                self._on_rank0(out, lambda: side_files(model))
+                return out
+        adapters_only = is_peft_model(model) and not merge_adapters
+        state = self.backend.full_model_state(model, trainable_only=adapters_only)
+
+        def write() -> None:
+            if adapters_only:
+                write_adapter(model, state, out)
+                side_files(model)
+                return
+            merge = merge_adapters and is_peft_model(model)
+            weights, written = merged_state(model, state) if merge else (state, model)
+            write_full_checkpoint(weights, out, model_config_dict(written), max_shard_bytes)
+            side_files(written)
+
+        self._on_rank0(out, write)
+        return out
+
+    def _on_rank0(self, out: Path, work: Callable[[], None]) -> None:
+        """Run `work` on rank 0; if it fails to write, every rank raises OutputDirError."""
+        problem = None
+        if self.backend.rank == 0:
+            try:
+                work()
+            except OSError as err:
+                problem = f"could not write the model to {out}: {err}; free space or choose another directory"
+        agree(problem, OutputDirError)
+
+    @staticmethod
+    def _side_files(out: Path, processing_class: Any, args_json: str | None) -> Callable[[nn.Module], None]:
+        """generation_config.json (generative models), the processing class's files, training_args.json."""
+        def write(model: nn.Module) -> None:
+            generation = getattr(model, "generation_config", None)
+            can_generate = getattr(model, "can_generate", lambda: False)()
+            if generation is not None and can_generate:
+                generation.save_pretrained(out)
+            if hasattr(processing_class, "save_pretrained"):
+                processing_class.save_pretrained(out)
+            if args_json is not None:
+                (out / "training_args.json").write_text(args_json)
+        return write
