@@ -4,10 +4,15 @@ LoRA agree on them.
 
     tied_aliases(model)        # {"lm_head.weight": "model.embed_tokens.weight"}: later name -> first name
     base_model(peft_model)     # the transformers model under the adapters
+    model_class_from_config(path)  # the transformers class a saved directory's config.json names
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import transformers
 from torch import nn
 
 IGNORE_INDEX = -100  # a label that contributes no loss (Hugging Face's and torch's cross-entropy convention)
@@ -55,3 +60,13 @@ def tied_embedding_modules(model: nn.Module) -> set[str]:
 def base_model(model: nn.Module) -> nn.Module:
     """The model under a PEFT wrapper (`get_base_model()`), or the model itself."""
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+def model_class_from_config(path: Path) -> type:
+    """The transformers class named by `path`/config.json's `architectures` (default AutoModelForCausalLM)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    for name in config.get("architectures") or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM

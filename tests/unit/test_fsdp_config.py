@@ -102,7 +102,7 @@ def test_fsdp1_only_keys_warn_and_are_ignored():
 def test_xla_without_torch_xla_is_a_clear_error(tmp_path):
     from shardtrain import TrainingArguments
     from shardtrain.config.run_spec import RunSpec
-    from shardtrain.parallel.backend import make_backend
+    from shardtrain.parallel.runtime import make_backend
 
     args = TrainingArguments(output_dir=str(tmp_path), fsdp=True, fsdp_config={"xla": True, "xla_fsdp_v2": True})
     backend = make_backend(RunSpec.resolve(args))

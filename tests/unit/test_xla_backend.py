@@ -5,8 +5,9 @@ import pytest
 from shardtrain import TrainingArguments
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import FSDPConfigError
-from shardtrain.parallel.backend import TrainingBackend, make_backend
+from shardtrain.parallel.backend import TrainingBackend
 from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.runtime import make_backend
 from shardtrain.parallel.xla import XlaBackend
 
 

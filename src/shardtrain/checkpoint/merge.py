@@ -98,7 +98,7 @@ def _merge_adapters(source: Path, adapters: dict[str, torch.Tensor], base_dir: P
     from peft import PeftConfig, get_peft_model
 
     from shardtrain.checkpoint.model_state import base_problem, frozen_identity, model_config_dict
-    from shardtrain.parallel.loading import model_class_from_config
+    from shardtrain.model_facts import model_class_from_config
 
     if not (base_dir / "config.json").is_file():
         raise CheckpointError(f"--base {base_dir} has no config.json; pass the base model's directory")

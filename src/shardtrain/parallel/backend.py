@@ -5,7 +5,7 @@ what rank / world size mean, wrapping the model, putting a batch on the device, 
 values, the optimizer step and the end of a step, and how checkpoints read the state. `TrainingBackend` itself is FSDP2,
 the default; `XlaBackend` (`shardtrain.parallel.xla`) is chosen by `fsdp_config` `"xla": true`.
 
-    backend = make_backend(spec)        # a RunSpec; before anything touches a device
+    backend = make_backend(spec)        # parallel.runtime; a RunSpec; before anything touches a device
     backend.setup()                     # process group / XLA runtime; then backend.rank, world_size, device
 """
 
@@ -196,14 +196,3 @@ class TrainingBackend:
     def full_model_state(self, model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model on CPU on rank 0 (empty elsewhere); collective."""
         return self.state_access(model, None, trainable_only=trainable_only).full_model_state()
-
-
-
-def make_backend(spec: RunSpec) -> TrainingBackend:
-    """The backend the run description asks for: XLA when fsdp is on and `fsdp_config` sets `"xla": true`, else
-    FSDP2."""
-    if spec.xla:
-        from shardtrain.parallel.xla import XlaBackend
-
-        return XlaBackend(spec)
-    return TrainingBackend(spec)

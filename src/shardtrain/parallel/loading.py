@@ -22,7 +22,6 @@ weights stay one parameter on both paths.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.model_facts import model_class_from_config
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.hf_conversion import ReadPlan, ReadStats, plan_read, read_fused, safetensors_index
 
@@ -50,16 +50,6 @@ logger = logging.getLogger(__name__)
 # How `cpu_ram_efficient_loading` reads a safetensors directory: "sharded" (default: each rank its slices) or
 # "rank0" (rank 0 reads everything and broadcasts; the path for other sources, kept selectable to compare).
 SHARDED_READ, RANK0_READ = "sharded", "rank0"
-
-
-def model_class_from_config(path: Path) -> type:
-    """The transformers class named by `path`/config.json's `architectures` (default AutoModelForCausalLM)."""
-    config = json.loads((path / "config.json").read_text())
-    for name in config.get("architectures") or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModelForCausalLM
 
 
 def has_meta_tensors(model: nn.Module) -> bool:

@@ -13,9 +13,19 @@ from typing import Any
 import torch
 
 from shardtrain.config.run_spec import RunSpec
-from shardtrain.parallel.backend import TrainingBackend, make_backend
+from shardtrain.parallel.backend import TrainingBackend
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
+
+
+def make_backend(spec: RunSpec) -> TrainingBackend:
+    """The backend the run description asks for: XLA when fsdp is on and `fsdp_config` sets `"xla": true`, else
+    FSDP2 (torch_xla is imported only then)."""
+    if spec.xla:
+        from shardtrain.parallel.xla import XlaBackend
+
+        return XlaBackend(spec)
+    return TrainingBackend(spec)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,3 +65,9 @@ class Runtime:
         return cls(spec=spec, backend=backend, dims=dims, meshes=meshes, cp=cp, rank=backend.rank,
                    world_size=backend.world_size, device=backend.device,
                    dp_rank=dims.rank_coords(backend.rank)["batch"])
+
+    @property
+    def collects_predictions(self) -> bool:
+        """Whether this rank contributes predictions: one rank of each group that shares its samples (cp, tp)."""
+        coords = self.dims.rank_coords(self.rank)
+        return coords["cp"] == 0 and coords["tp"] == 0

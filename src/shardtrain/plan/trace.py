@@ -19,7 +19,6 @@ import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -256,7 +255,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
 
     from shardtrain.train.chunked_loss import resolve_chunk_size
     from shardtrain.train.loss import LossComputer
-    from shardtrain.train.optim import build_optimizer
+    from shardtrain.train.optim import build_optimizer, decay_parameter_names
     from shardtrain.train.step_runner import StepRunner
 
     if dist.is_initialized():
@@ -268,9 +267,10 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
         meta_model = with_adapters(build(), setup.lora_rank)
         with FakeTensorMode() as mode, GroupedMmShapes(), real_device_meshes():
             model, cp = _prepare(to_fake(meta_model, mode), setup, meshes)
-            args = SimpleNamespace(weight_decay=0.0, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
-                                   adam_epsilon=1e-8, optim=setup.optimizer)
-            optimizer = build_optimizer(model, args)
+            # the Trainer's optimizer: Hugging Face's groups, AdamW as `optim` names it (fused or foreach)
+            optimizer = build_optimizer(model, decay_names=decay_parameter_names(model), weight_decay=0.0,
+                                        cls=torch.optim.AdamW,
+                                        kwargs={"lr": 1e-4, "fused": setup.optimizer == "adamw_torch_fused" or None})
             chunk = resolve_chunk_size(setup.loss_chunk_size, model, tensor_parallel=setup.dims.tp > 1)
             loss = LossComputer(model, torch.device("cpu"), chunk_size=chunk)
             vocab = getattr(getattr(model, "config", None), "vocab_size", 2)

@@ -18,8 +18,9 @@ from transformers.trainer_utils import PredictionOutput, speed_metrics
 
 from shardtrain.errors import DataError
 from shardtrain.model_facts import IGNORE_INDEX
-from shardtrain.parallel.context import SHARD_KWARG, ContextParallel
+from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.parallel.fsdp import reshard_all
+from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.data import (
     CollatingDataset,
     PlaceholderDataset,
@@ -76,21 +77,21 @@ class EvalLoop:
     collected (by one rank of each group of ranks that share their samples: cp and tp).
     """
 
-    def __init__(self, model: nn.Module, loss: LossComputer, collator: Callable, batch_size: int, dp_rank: int,
-                 dp_size: int, device: torch.device, preprocess: Callable | None, seed: int = 0,
-                 on_step: Callable[[int], None] | None = None, cp: ContextParallel | None = None,
-                 prepare: Callable[[dict], dict] | None = None, loss_group: dist.ProcessGroup | None = None,
-                 generate: Callable[[dict], tuple[list, list]] | None = None, collects: bool = True, *,
-                 backend: Any, prediction_step: Callable[[dict, bool], tuple] | None = None,
-                 batch_metrics: bool = False, keep_predictions: bool = True, inputs_key: str | None = None) -> None:
-        self.model, self.loss, self.collator, self.batch_size = model, loss, collator, batch_size
-        self.dp_rank, self.dp_size, self.device, self.preprocess = dp_rank, dp_size, device, preprocess
-        self.seed, self.on_step = seed, on_step  # on_step(steps): the callbacks' on_prediction_step
-        self.cp, self.prepare = cp, prepare  # prepare: the Trainer's collated batch -> model inputs
-        self.loss_group = loss_group  # where (loss sum, token count) add up: the `loss` mesh
+    def __init__(self, runtime: Runtime, model: nn.Module, loss: LossComputer, collator: Callable,
+                 per_device_batch_size: int, *, preprocess: Callable | None = None, seed: int = 0,
+                 on_step: Callable[[int], None] | None = None, prepare: Callable[[dict], dict] | None = None,
+                 generate: Callable[[dict], tuple[list, list]] | None = None,
+                 prediction_step: Callable[[dict, bool], tuple] | None = None, batch_metrics: bool = False,
+                 keep_predictions: bool = True, inputs_key: str | None = None) -> None:
+        self.model, self.loss, self.collator = model, loss, collator
+        self.batch_size = per_device_batch_size * runtime.backend.devices_per_process
+        self.dp_rank, self.dp_size, self.device = runtime.dp_rank, runtime.dims.batch_size, runtime.device
+        self.preprocess, self.seed, self.on_step = preprocess, seed, on_step  # on_step: on_prediction_step
+        self.cp, self.prepare = runtime.cp, prepare  # prepare: the Trainer's collated batch -> model inputs
+        self.loss_group = runtime.meshes.loss.get_group()  # where (loss sum, token count) add up
         self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
-        self.collects = collects  # whether this rank's predictions are gathered (one rank per cp x tp group)
-        self.backend = backend  # the Trainer's TrainingBackend: its all_reduce and step_end (XLA runs a graph)
+        self.collects = runtime.collects_predictions  # one rank per cp x tp group contributes predictions
+        self.backend = runtime.backend  # its all_reduce and step_end (XLA runs a graph)
         # a user's prediction_step / compute_loss: (inputs, loss_only) -> (batch-mean loss, logits, labels), and
         # the loss is averaged over samples, as Hugging Face's evaluation_loop does
         self.prediction_step = prediction_step

@@ -8,6 +8,7 @@ merged adapters, XLA and non-float states are gathered on rank 0.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,18 @@ class ModelExport:
             if args_json is not None:
                 (out / "training_args.json").write_text(args_json)
         return write
+
+
+def write_model_card(out: Path, *, name: str, model: nn.Module, args: Any, state: Any, world_size: int) -> None:
+    """Hugging Face's `create_model_card`, short: `out/README.md` saying what was trained, how, and the last
+    logged evaluation."""
+    evals = [e for e in state.log_history if any(k.startswith("eval_") for k in e)]
+    lines = ["---", "library_name: transformers", "tags:", "- shardtrain", "- generated_from_trainer", "---", "",
+             f"# {name}", "", f"`{type(model).__name__}` trained with shardtrain (FSDP2) for {state.global_step} "
+             f"steps on {world_size} rank(s).", "", "## Training hyperparameters", ""]
+    for key in ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "seed",
+                "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs", "optim"):
+        lines.append(f"- {key}: {getattr(args, key)}")
+    if evals:
+        lines += ["", "## Results", "", "```json", json.dumps(evals[-1], indent=2), "```"]
+    (out / "README.md").write_text("\n".join(lines) + "\n")

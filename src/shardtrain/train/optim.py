@@ -1,4 +1,4 @@
-"""AdamW with Hugging Face's decay grouping, warmup schedules, and gradient normalisation + clipping."""
+"""The optimizer on Hugging Face's decay groups, its schedules, and gradient normalisation + clipping."""
 
 from __future__ import annotations
 
@@ -12,31 +12,48 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from shardtrain.errors import TrainingArgumentsError
 from shardtrain.train.arguments import TrainingArguments
 
 
-def build_optimizer(model: nn.Module, args: TrainingArguments,
-                    cls_and_kwargs: tuple[type, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
-    """AdamW (or `cls_and_kwargs`); biases and norm weights (1-D parameters) get no weight decay, as in Hugging
-    Face Trainer.
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """Hugging Face's `Trainer.get_decay_parameter_names`: every parameter but biases and norm weights."""
+    import transformers
 
-    `optim="adamw_torch_fused"` (the default, as in Hugging Face) updates each parameter in one kernel, with no
-    temporary tensors; "adamw_torch" is the multi-tensor (foreach) implementation. Devices without a fused
-    kernel get foreach. `cls_and_kwargs` (Trainer's `optimizer_cls_and_kwargs`) is built on the same groups.
+    return transformers.Trainer.get_decay_parameter_names(None, model)  # it reads nothing from the Trainer
+
+
+def build_optimizer(model: nn.Module, *, decay_names: Iterable[str], weight_decay: float, cls: type,
+                    kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """`cls(groups, **kwargs)` on Hugging Face's two groups: the trainable parameters named in `decay_names` with
+    `weight_decay`, the others without. As Hugging Face, a `params`, `model` or `optimizer_dict` in `kwargs` (from
+    a `get_optimizer_cls_and_kwargs` override) replaces the groups. The Trainer and `shardtrain plan` build it.
+
+    The groups are not split per device mesh (transformers 5.24 does): they then do not depend on the layout, so
+    a checkpoint resumes on another one (with or without expert parallelism); torch's fused and foreach AdamW
+    step parameters of several meshes in one group.
     """
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    if cls_and_kwargs is not None:
-        cls, kwargs = cls_and_kwargs
-        return cls(groups, **kwargs)
-    devices = {p.device.type for p in decay + no_decay}
-    fused = args.optim == "adamw_torch_fused" and devices <= {"cpu", "cuda"}
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_epsilon, fused=fused or None)
+    decay = set(decay_names)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups: Any = [{"params": [p for n, p in params if n in decay], "weight_decay": weight_decay},
+                   {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
+    kwargs = dict(kwargs)
+    for key in ("params", "model", "optimizer_dict"):  # sentence-transformers adds its loss modules' parameters
+        if key in kwargs:
+            groups = kwargs.pop(key)
+    return cls(groups, **kwargs)
+
+
+def check_given_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse `Trainer(optimizers=(optimizer, ...))` over parameters the Trainer does not hold."""
+    if optimizer is None:
+        return
+    held = {id(p) for p in model.parameters()}
+    if not {id(p) for group in optimizer.param_groups for p in group["params"]} <= held:
+        raise TrainingArgumentsError(
+            "Trainer(optimizers=...) got an optimizer over parameters the Trainer does not train: FSDP replaces the "
+            "model's parameters with sharded ones when the Trainer wraps it. Pass optimizer_cls_and_kwargs="
+            "(torch.optim.AdamW, {...}) instead, or build the optimizer on trainer.model after creating the Trainer")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, total_steps: int) -> LambdaLR:

@@ -1,22 +1,20 @@
-"""When the Trainer logs, evaluates and saves, what a log entry holds, and how the best checkpoint is tracked.
-Part of `Trainer`.
+"""What a training log entry holds (`LossWindow`: the steps' losses since the last entry, and `train_loss`) and
+which evaluation is the best (`BestMetric`): pure rules the Trainer applies after each step.
 
-The schedule is Hugging Face's own: `DefaultFlowCallback` (in `callback_handler`, as under transformers) turns the
-strategies, intervals, `logging_first_step` and `eval_delay` into `control` flags at each step end and epoch end,
-and the Trainer acts on the flags, as `transformers.Trainer._maybe_log_save_evaluate` does. Removing that callback
-leaves only the flags other callbacks set, as under Hugging Face."""
+When it logs, evaluates and saves is Hugging Face's own schedule: `DefaultFlowCallback` (in `callback_handler`, as
+under transformers) turns the strategies, intervals, `logging_first_step` and `eval_delay` into `control` flags at
+each step end and epoch end, and the Trainer acts on the flags (`Trainer._maybe_log_evaluate_save`, as
+`transformers.Trainer._maybe_log_save_evaluate`). Removing that callback leaves only the flags other callbacks set,
+as under Hugging Face."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-
-from shardtrain.checkpoint.layout import PREFIX
 
 
 def nan_inf_filtered(losses: list[float]) -> list[float]:
@@ -95,56 +93,3 @@ class LossWindow:
     def training_loss(self) -> float:
         """The mean step loss of every step folded so far."""
         return self._total / max(self._count, 1)
-
-
-class StepFlowMixin:
-    """Logging, evaluation and saving after each step and epoch; callbacks."""
-
-    def _maybe_log_evaluate_save(self, window: LossWindow, grad_norm: torch.Tensor) -> None:
-        """Hugging Face's `_maybe_log_save_evaluate`: log (the losses of the steps in `window`), evaluate, save,
-        as the `control` flags say (each event resets its flag)."""
-        args, step, best = self.args, self.state.global_step, BestMetric.of(self.args)
-        if window and self.control.should_log:
-            losses = window.fold()
-            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm), "learning_rate": self._step_lr,
-                    **self.logger.throughput_and_memory(self.backend.all_gather, self.device)}
-            self.log(logs)
-        metrics = None
-        if self.control.should_evaluate:
-            metrics = self.evaluate()
-            self._report_to_hp_search(self._trial, step, metrics)  # Hugging Face's: a trial's intermediate value
-            if args.save_strategy == "best":
-                self.control.should_save = best.improves(metrics, self.state.best_metric)
-        if self.control.should_save:
-            # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
-            best.record(self.state, metrics, str(Path(self._get_output_dir(self._trial)) / f"{PREFIX}{step}"))
-            self._save_checkpoint(self.model, self._trial)
-        elif metrics is not None:
-            best.record(self.state, metrics)
-
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Hugging Face's hook (same signature, so a library's override that calls super() works): write
-        `checkpoint-<step>` of the Trainer's model, optimizer, scheduler, RNG and state."""
-        args = self.args
-        if args.save_async:  # waits for the previous async save; see shardtrain.checkpoint.async_save
-            self._checkpoints().save_async(self.state.global_step, self.state, model_only=args.save_only_model)
-        else:
-            self._checkpoints().save(self.state.global_step, self.state, model_only=args.save_only_model)
-        self._saved_step = self.state.global_step
-        self._fire("on_save")
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Record `logs` for this step in `log_history`, metrics.jsonl, TensorBoard and the progress bar."""
-        entry = {**logs, "epoch": round(self.state.epoch or 0.0, 4), "step": self.state.global_step}
-        self.state.log_history.append(entry)
-        self.logger.log(entry)
-        self._fire("on_log", logs=entry)
-
-    def _fire(self, event: str, **kwargs: Any) -> None:
-        """Fire `event` through transformers' `CallbackHandler` (it passes the model, processing class, optimizer
-        and scheduler, as in Hugging Face's Trainer); a returned control replaces ours."""
-        handler = self.callback_handler
-        handler.model, handler.processing_class = self.model, self.processing_class
-        handler.optimizer, handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        # the handler's own method: it resets the flag the event answers (on_log: should_log, ...), as in transformers
-        self.control = getattr(handler, event)(self.args, self.state, self.control, **kwargs)

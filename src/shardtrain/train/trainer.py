@@ -1,12 +1,21 @@
-"""`Trainer`: FSDP2 training, evaluation, checkpoints and export behind Hugging Face's Trainer API.
+"""`Trainer`: a `transformers.Trainer` whose job runs on shardtrain's FSDP2 engine.
 
-    trainer = Trainer(model, TrainingArguments(output_dir="out", fsdp="full_shard"), train_dataset=ds)
+    trainer = Trainer(model, TrainingArguments("out", fsdp="full_shard"), train_dataset=ds)
     result = trainer.train()   # TrainOutput(global_step, training_loss, metrics), as in transformers
     # under `shardtrain launch` / torchrun on N ranks, or as one plain process
 
 The loss of a step is the sum over every target token of the global batch (all ranks, all micro-steps)
 divided by the number of those tokens, so a run depends on the global batch only, not on its split.
 Callbacks are transformers' (`TrainerCallback`, `TrainerState`, `TrainerControl`), fired at the same points.
+
+The class is Hugging Face's surface: its constructor, attributes, public methods and override points with Hugging
+Face's signatures, each handing the work to a part with one job: `Runtime` (processes, meshes, device; from the
+`RunSpec` resolved once), `ModelPreparation` (adapters, parallelism, weights, batches to model inputs),
+`TrainingData` (which samples each rank draws at each step), `OptimizerStep` (the exact global-token step),
+`EvalLoop` (evaluation and prediction), `CheckpointManager`, `ModelExport`, `MetricsLogger`, `LossWindow` and
+`BestMetric`; when to log, evaluate and save is Hugging Face's `DefaultFlowCallback`. It is one class, not cut
+into mixins, so that a subclass (a user's, TRL's) meets each of Hugging Face's methods in one place; that makes
+this file longer than the others.
 """
 
 from __future__ import annotations
@@ -24,39 +33,50 @@ import numpy as np
 import torch
 import transformers
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
+from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 
+from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES
+from shardtrain.checkpoint.layout import PREFIX
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.config.run_spec import RunSpec
-from shardtrain.errors import DataError, OutputDirError, TrainingArgumentsError, install_error_hook
+from shardtrain.errors import (
+    DataError,
+    HubError,
+    OutputDirError,
+    TrainingArgumentsError,
+    install_error_hook,
+)
+from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.argument_checks import check_compute_metrics
 from shardtrain.train.arguments import TrainingArguments
 from shardtrain.train.chunked_loss import resolve_chunk_size
 from shardtrain.train.collation import Collators
-from shardtrain.train.data import (
-    BatchPlan,
-)
-from shardtrain.train.hf_internals import HFInternalsMixin
-from shardtrain.train.hp_search import PrunedElsewhere
+from shardtrain.train.data import BatchPlan, forward_columns
+from shardtrain.train.evaluation import EvalLoop, eval_loader, loader_source
+from shardtrain.train.generation import eval_generator
+from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
 from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, rank0_trackers
 from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer
+from shardtrain.train.model_export import ModelExport, write_model_card
 from shardtrain.train.model_preparation import SIDE_MODELS, ModelPreparation
-from shardtrain.train.optimizer_setup import OptimizerSetupMixin
+from shardtrain.train.optim import build_optimizer, build_scheduler, check_given_optimizer
+from shardtrain.train.optimizer_step import OptimizerStep, StepResult
 from shardtrain.train.packing import check_packing
 from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
 from shardtrain.train.preflight import DatasetChecks, check_training_inputs, resolve_resume
 from shardtrain.train.router_loss import RouterLoss
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
-from shardtrain.train.step_flow import LossWindow, StepFlowMixin
+from shardtrain.train.step_flow import BestMetric, LossWindow
+from shardtrain.train.step_runner import StepRunner
 from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
-from shardtrain.train.trainer_api import TrainerAPIMixin
 from shardtrain.train.training_data import TrainingData
-from shardtrain.train.training_step import TrainingStepMixin
 from shardtrain.train.user_loader import LoaderPlan
 from shardtrain.train.validation import ModelLimits, agree, writable_problem
 
@@ -67,16 +87,15 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlowMixin, TrainerAPIMixin,
-              transformers.Trainer):
+class Trainer(transformers.Trainer):
     """A `transformers.Trainer` whose job runs on shardtrain's FSDP2 engine (see module docstring).
 
     The constructor is Hugging Face's (same arguments, same attributes); it does not build Accelerate's
     `Accelerator`: the backend sets up the process group, the meshes and the model's parallelism. Hugging
     Face's override points are called where Hugging Face calls them, with its signatures: `compute_loss`,
-    `training_step` (one micro-batch: forward and backward), `prediction_step`, `create_optimizer`,
-    `create_scheduler`, `get_decay_parameter_names`, `log`, `get_train_dataloader`/`get_eval_dataloader`,
-    `_prepare_inputs`.
+    `training_step` (one micro-batch: forward and backward), `prediction_step`, `evaluation_loop`,
+    `create_optimizer`, `create_scheduler`, `get_decay_parameter_names`, `log`,
+    `get_train_dataloader`/`get_eval_dataloader`, `_prepare_inputs`, `_save_checkpoint`.
 
     Args:
         model: an `nn.Module` (Hugging Face model or any module whose forward takes the batch keys), or the
@@ -99,6 +118,12 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         peft_config: a `peft` config (e.g. `LoraConfig`): adapters are added before FSDP and only they train
             (as TRL's trainers); a `PeftModel` passed as `model` works the same. See `shardtrain.train.lora`.
     """
+
+    # a causal LM batch without labels learns every token; a library's trainer (shardtrain.on_engine) gets its
+    # collator's batches as they are, as under Hugging Face
+    labels_from_inputs = True
+    # Hugging Face's own implementations; they only need is_world_process_zero, args.output_dir and state
+    log_metrics, metrics_format, save_metrics = log_metrics, metrics_format, save_metrics
 
     def __init__(self, model: nn.Module | str | None = None, args: TrainingArguments | None = None,
                  data_collator: Callable | None = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -161,6 +186,8 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         check_compute_metrics(args, compute_metrics)
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
+        check_given_optimizer(self.model, self.optimizer)
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         # Hugging Face's default callbacks: DefaultFlowCallback, and the display (a progress bar or a printer)
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model,
                                                 self.processing_class, self.optimizer, self.lr_scheduler)
@@ -170,22 +197,40 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
-        self._micro_batches = 1  # of the current optimizer step (training_step sets it)
-        self._check_given_optimizer()
-        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        self._micro_batches, self._step_samples = 1, 1  # of the current optimizer step (set before each one)
         self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self._set_hf_attributes()
         self._fire("on_init_end")
 
+    def _set_hf_attributes(self) -> None:
+        """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
+        args = self.args
+        self.is_in_train = False
+        self.hp_name = self.hp_search_backend = self.deepspeed = self.label_smoother = None
+        self._trial = None  # the hyperparameter_search trial train() runs (Hugging Face's _hp_search_setup sets it)
+        self.place_model_on_device = self.is_deepspeed_enabled = self.is_fsdp_xla_enabled = False
+        self.is_model_parallel = False
+        # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
+        # whether shardtrain's FSDP2 does), so libraries do not hand their extra models to Accelerate's FSDP
+        self.is_fsdp_enabled = False
+        self.label_names = list(args.label_names) if args.label_names else ["labels"]
+        self.can_return_loss = False
+        self.neftune_noise_alpha = args.neftune_noise_alpha
+        self.current_flos = 0
+        self._train_batch_size = args.train_batch_size
+        self._created_lr_scheduler = False
+        self.model_accepts_loss_kwargs = False  # the token sum is computed here, not by the model
+
+    # -- the model ----------------------------------------------------------------------------------------
     def _install_model(self, model: nn.Module | str) -> None:
         """Prepare `model` (adapters, parallelism, weights) and build what is bound to it: the loss, the router
-        loss; the step runner and checkpoint manager follow it. `__init__` calls it, and `train()` with each
+        loss; the optimizer step and checkpoint manager follow it. `__init__` calls it, and `train()` with each
         model `model_init` builds."""
         args = self.args
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
-        self.model_wrapped = self.model
+        self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
                                    device_type=self.device.type)
         self.loss_computer = LossComputer(self.model, self.device,
@@ -212,11 +257,6 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         self._install_model(self.call_model_init(trial))
         self.optimizer, self.lr_scheduler = None, None
 
-    # -- setup (the model's layout: shardtrain.train.model_preparation) --------------------------------
-    # a causal LM batch without labels learns every token; a library's trainer (shardtrain.on_engine) gets its
-    # collator's batches as they are, as under Hugging Face
-    labels_from_inputs = True
-
     def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:
         """A collated batch as the model gets it (`ModelPreparation.inputs`): labels made from the inputs unless
         `add_labels` is False or the Trainer is a library's."""
@@ -229,10 +269,6 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
             side = getattr(self, name, None)
             if isinstance(side, nn.Module) and side is not self.model:
                 setattr(self, name, self.preparation.prepare_frozen(side))
-
-    def _eval_collator(self) -> Callable:
-        """The collator of evaluation and prediction batches (padded even when training packs them)."""
-        return self._unpacked_collator if self._unpacked_collator is not None else self.data_collator
 
     def _checkpoints(self) -> CheckpointManager:
         """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""
@@ -253,21 +289,6 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
 
-    @property
-    def _overrides_train_loader(self) -> bool:
-        """Whether a subclass (a user's, or a library's) overrides `get_train_dataloader`."""
-        return type(self).get_train_dataloader is not TrainerAPIMixin.get_train_dataloader
-
-    def _training_data(self) -> TrainingData:
-        """The training batches' part, from the dataset and collator the Trainer holds now."""
-        return TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator)
-
-    def _plan(self, data: TrainingData) -> BatchPlan | StreamPlan | LoaderPlan:
-        if not self._overrides_train_loader:
-            return data.plan()
-        owner = next(c.__qualname__ for c in type(self).__mro__ if "get_train_dataloader" in vars(c))
-        return data.plan(self.get_train_dataloader, owner)
-
     # -- training -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
@@ -276,14 +297,15 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         if self.model_init is not None:
             self._reinit_model(trial)
         self._hp_search_setup(trial)  # Hugging Face's: a trial's hyperparameters into args (and self._trial)
-        self._runner = None  # the step runner reads this run's max_grad_norm
-        self._validate_inputs()
+        check_training_inputs(args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                              cp_size=self.dims.cp, custom_loss=self._custom_loss)
+        self._check_datasets()
         resume = resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                 else args.resume_from_checkpoint, output_dir=args.output_dir,
                                 restart_count=self.spec.restart_count, fsdp_enabled=args.fsdp_enabled,
                                 rank=self.rank, broadcast=lambda t: self.backend.broadcast(t, src=0),
                                 device=self.device)
-        data = self._training_data()
+        data = TrainingData.of(args, self.runtime, self.train_dataset, self.data_collator)
         plan = self._plan(data)
         if isinstance(plan, StreamPlan):
             check_stream_arguments(args)
@@ -300,6 +322,11 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
                                   is_world_process_zero=self.rank == 0, total_flos=0.0)
         if resume is not None:
             self._load_for_resume(resume, plan, max_steps)
+        # this run's step (its max_grad_norm may be a trial's)
+        runner = StepRunner(model=self.model, dims=self.dims, max_grad_norm=args.max_grad_norm,
+                            sharded=self.backend.is_sharded(self.model))
+        self._step = OptimizerStep(runtime=self.runtime, loss=self.loss_computer, runner=runner,
+                                   preemption=self.preemption)
         start_step, start_time = self.state.global_step, time.time()
         window = LossWindow(lambda t: self.backend.all_reduce(t, group=self.meshes.loss.get_group()),
                             nan_inf_filter=args.logging_nan_inf_filter)
@@ -336,17 +363,14 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         self._checkpoints().keep_best_only(self.state.best_model_checkpoint)
         steps = self.state.global_step - start_step
         metrics = speed_metrics("train", start_time, num_samples=steps * plan.global_batch_size, num_steps=steps)
-        training_loss = window.training_loss
-        metrics.update(total_flos=self.state.total_flos, train_loss=training_loss, epoch=self.state.epoch)
+        metrics.update(total_flos=self.state.total_flos, train_loss=window.training_loss, epoch=self.state.epoch)
         self.log(dict(metrics))
         self.logger.draw_report()
         self._fire("on_train_end")
-        return TrainOutput(self.state.global_step, training_loss, metrics)
+        return TrainOutput(self.state.global_step, window.training_loss, metrics)
 
-    def _validate_inputs(self) -> None:
-        """Everything that can be checked before the first step (collective: every rank raises together)."""
-        check_training_inputs(self.args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                              cp_size=self.dims.cp, custom_loss=self._custom_loss)
+    def _check_datasets(self) -> None:
+        """The datasets against the model, before the first step (collective: every rank raises together)."""
         limits, checks = ModelLimits.of(self.model, self.loss_computer.shift_labels), self.dataset_checks
         if not is_stream(self.train_dataset):  # a stream is checked as it is read (its samples are not indexable)
             checks.check(self.train_dataset, "train_dataset", limits, need_targets=True, again=True)
@@ -354,15 +378,16 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         if self.eval_dataset is not None and self.args.eval_strategy != "no":
             checks.check(self.eval_dataset, "eval_dataset", limits, need_targets=False, again=True)
 
-    def _checkpoint_and_exit(self, preempted: Preempted) -> None:
-        """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""
-        if self._saved_step != self.state.global_step:
-            self._save_checkpoint(self.model, self._trial)
-        self._checkpoints().wait()
-        if self.rank == 0:
-            print(f"warning: {preempted}; wrote {self.args.output_dir}/checkpoint-{self.state.global_step}, exiting "
-                  f"{EXIT_CODE}; a restart resumes from it", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CODE) from None
+    @property
+    def _overrides_train_loader(self) -> bool:
+        """Whether a subclass (a user's, or a library's) overrides `get_train_dataloader`."""
+        return type(self).get_train_dataloader is not Trainer.get_train_dataloader
+
+    def _plan(self, data: TrainingData) -> BatchPlan | StreamPlan | LoaderPlan:
+        if not self._overrides_train_loader:
+            return data.plan()
+        owner = next(c.__qualname__ for c in type(self).__mro__ if "get_train_dataloader" in vars(c))
+        return data.plan(self.get_train_dataloader, owner)
 
     def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
         saved = CheckpointManager.read_state(resume)
@@ -380,6 +405,16 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         if self.rank == 0:
             self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
 
+    def _checkpoint_and_exit(self, preempted: Preempted) -> None:
+        """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""
+        if self._saved_step != self.state.global_step:
+            self._save_checkpoint(self.model, self._trial)
+        self._checkpoints().wait()
+        if self.rank == 0:
+            print(f"warning: {preempted}; wrote {self.args.output_dir}/checkpoint-{self.state.global_step}, exiting "
+                  f"{EXIT_CODE}; a restart resumes from it", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CODE) from None
+
     def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int,
                     window: LossWindow) -> None:
         grad_norm = torch.zeros(())
@@ -389,15 +424,15 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
                 divmod(self.state.global_step, plan.steps_per_epoch)
             self.control.should_epoch_stop = False
             self._fire("on_epoch_begin")
-            steps = data.epoch_steps(plan, epoch, start)
-            for step, (batches, placeholders) in enumerate(steps, start):
+            for step, (batches, placeholders) in enumerate(data.epoch_steps(plan, epoch, start), start):
                 self._fire("on_step_begin")
-                loss_sum, tokens, grad_norm = self._optimizer_step(batches, placeholders)
+                result = self._optimizer_step(batches, placeholders)
+                grad_norm = result.grad_norm
                 self.state.global_step += 1
                 self.state.data_epoch, self.state.data_step = epoch, step + 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
                     float(epoch)  # a stream: the passes completed
-                window.add(loss_sum, tokens)
+                window.add(result.loss_sum, result.tokens)
                 self.logger.step_done(self.state.num_input_tokens_seen)
                 self._fire("on_step_end")
                 self._maybe_log_evaluate_save(window, grad_norm)
@@ -413,6 +448,20 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
         if window:  # steps after the last log entry: in train_loss, as under Hugging Face
             window.fold()
 
+    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool]) -> StepResult:
+        """One optimizer step (`OptimizerStep`): `training_step` on each micro-batch, then clip and step."""
+        batches = [self._model_inputs(b) for b in batches]
+        self._step_samples = max(self.state.global_batch_size, 1)  # training_step's backward scale
+        self._micro_batches = len(batches)
+        result = self._step.run(batches, placeholders, step=self.state.global_step, step_samples=self._step_samples,
+                                training_step=lambda batch, items: self.training_step(self.model, batch, items),
+                                loss_scale=self._loss_scale, by_samples=self._loss_per_sample,
+                                optimizer=self.optimizer, scheduler=self.lr_scheduler, fire=self._fire)
+        self._step_lr = result.learning_rate
+        self.state.num_input_tokens_seen += result.input_tokens
+        self.state.total_flos += 6.0 * self._flop_params() * result.input_tokens
+        return result
+
     def _flop_params(self) -> int:
         """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""
         if not hasattr(self, "_flop_param_count"):
@@ -420,3 +469,391 @@ class Trainer(HFInternalsMixin, OptimizerSetupMixin, TrainingStepMixin, StepFlow
             self._flop_param_count = count(exclude_embeddings=True) if callable(count) else \
                 sum(p.numel() for p in self.model.parameters())
         return self._flop_param_count
+
+    # -- Hugging Face's per-batch override points -------------------------------------------------------
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """Hugging Face's override point: the loss of `inputs`, summed over their target tokens (or samples, for
+        a model trained on its own loss) and divided by `num_items_in_batch` (those of the whole global batch of
+        this step; in evaluation, of `inputs`).
+
+        An override (or `compute_loss_func`) must return the loss in that convention (sum / num_items_in_batch)
+        for N ranks and gradient accumulation to equal one process; one returning a mean over `inputs` is exact
+        on one process without accumulation only. Under evaluation, Hugging Face's rule applies: the mean of
+        the batches' losses, weighted by their samples.
+        """
+        if self.compute_loss_func is not None:
+            labels = inputs["labels"]
+            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        else:
+            # outputs asked for: with their logits (no chunked loss)
+            loss_sum, outputs = self.loss_computer.compute(inputs, keep_logits=return_outputs)
+            count = num_items_in_batch if num_items_in_batch is not None else self.loss_computer.items(inputs)
+            loss = loss_sum / count
+            if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
+                # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
+                loss = loss + self.router_loss.local_share(outputs, inputs) / self._micro_batches
+        if num_items_in_batch is not None:
+            loss = loss * self._loss_scale  # Hugging Face's convention (see _loss_scale)
+        return (loss, outputs) if return_outputs else loss
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Hugging Face's override point: forward and backward of one micro-batch.
+
+        Returns:
+            the micro-batch's loss, detached: the sum of its token losses / `num_items_in_batch` (the target
+            tokens of the global batch), so the micro-batches of every rank add up to the step's loss.
+        """
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        every = self.args.torch_empty_cache_steps
+        if every and self.state.global_step % every == 0 and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # as Hugging Face: lower peak reserved memory, at a speed cost
+        by_samples = self._loss_per_sample
+        if num_items_in_batch is None:  # called on its own: this micro-batch's tokens (or samples)
+            num_items_in_batch = self.loss_computer.items(inputs, by_samples=by_samples)
+        if by_samples:  # a mean over this micro-batch, weighted by its samples (placeholders: 0)
+            loss = self.compute_loss(model, inputs)
+            micro_sum = loss * self.loss_computer.items(inputs, by_samples=True)
+        elif self._custom_loss or self.router_loss.enabled:
+            # Hugging Face's compute_loss contract (and the router loss, added in token-sum units)
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            micro_sum = loss * num_items_in_batch / self._loss_scale
+        else:
+            micro_sum = self.loss_computer(inputs)
+        if self.loss_computer.placeholder:  # stands in for no sample: forward and backward (FSDP collectives), weight 0
+            micro_sum = micro_sum * 0.0
+        (micro_sum / self._step_samples).backward()
+        # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
+        return micro_sum.detach() / num_items_in_batch * self._loss_scale
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:
+        """Hugging Face's override point: (loss, logits, labels) of one evaluation batch; the loss is the mean
+        over the batch (from `compute_loss`), None without labels. When it (or `compute_loss`) is overridden,
+        evaluation calls it once per batch and averages the losses over samples, as Hugging Face does; otherwise
+        evaluation sums token losses exactly over every rank."""
+        inputs = self._prepare_inputs(inputs)
+        has_labels = all(inputs.get(name) is not None for name in self.label_names)
+        ignore = set(ignore_keys or []) | {"loss"}
+        with torch.no_grad():
+            if has_labels:
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+                loss = loss.detach().mean()
+                if isinstance(outputs, dict):
+                    logits = outputs.get("logits") if "logits" not in ignore else None
+                    if logits is None:
+                        logits = next((v for k, v in outputs.items() if k not in ignore), None)
+                else:
+                    logits = outputs[1] if isinstance(outputs, tuple | list) and len(outputs) > 1 else None
+            else:
+                loss, logits = None, self.loss_computer.logits(inputs)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, logits, inputs.get("labels") if has_labels else None
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Hugging Face's hook: the batch as the model gets it (on the device); called by `training_step` and
+        `prediction_step`. The Trainer's own batches arrive prepared (and split under context parallelism)."""
+        if all(not isinstance(v, torch.Tensor) or v.device == self.device for v in inputs.values()):
+            return inputs
+        return self.backend.to_device(inputs)
+
+    @property
+    def _custom_loss(self) -> bool:
+        return type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None
+
+    @property
+    def _loss_scale(self) -> int:
+        """Hugging Face's factor on a loss normalised by the global `num_items_in_batch`: the ranks with distinct
+        data (DDP averages gradients over them; tensor-parallel ranks share theirs). `compute_loss` returns it
+        multiplied in, and `training_step` divides it out, so a library's `compute_loss` that applies it (TRL's)
+        trains exactly."""
+        return self.world_size // self.dims.tp if self.args.average_tokens_across_devices else 1
+
+    @property
+    def _loss_per_sample(self) -> bool:
+        """Whether `compute_loss` returns a mean over its micro-batch (Hugging Face's `loss_is_scaled_for_ga`
+        False, e.g. TRL's DPO): such a loss is weighted by the micro-batch's samples; otherwise it is the sum
+        over target tokens divided by `num_items_in_batch`."""
+        return self.loss_is_scaled_for_ga is False
+
+    # -- optimizer and scheduler (Hugging Face's override points) ----------------------------------------
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """Hugging Face's: `create_optimizer()`, then `create_scheduler(num_training_steps)`."""
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=num_training_steps, optimizer=self.optimizer)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Hugging Face's optimizer: `get_decay_parameter_names` grouping, `optimizer_cls_and_kwargs` or
+        `get_optimizer_cls_and_kwargs(args)`, built on the sharded parameters the Trainer holds (`build_optimizer`,
+        which `shardtrain plan` traces too)."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            self.optimizer = build_optimizer(opt_model, decay_names=self.get_decay_parameter_names(opt_model),
+                                             weight_decay=self.args.weight_decay, cls=cls, kwargs=kwargs)
+        return self.optimizer
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: transformers.TrainingArguments, model: Any = None) -> tuple[Any, Any]:
+        """Hugging Face's choice for `args.optim`; the fused AdamW kernel only where torch has one (CPU, CUDA)."""
+        cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+        devices = {p.device.type for p in model.parameters()} if model is not None else set()
+        if kwargs.get("fused") and not devices <= {"cpu", "cuda"}:
+            kwargs = {k: v for k, v in kwargs.items() if k != "fused"}
+        return cls, kwargs
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """transformers' scheduler for `lr_scheduler_type` (warmup: `warmup_steps`, a ratio when below 1)."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    # -- logging, evaluation and saving during training -----------------------------------------------------
+    def _maybe_log_evaluate_save(self, window: LossWindow, grad_norm: torch.Tensor) -> None:
+        """Hugging Face's `_maybe_log_save_evaluate`: log (the losses of the steps in `window`), evaluate, save,
+        as the `control` flags say (each event resets its flag)."""
+        args, step, best = self.args, self.state.global_step, BestMetric.of(self.args)
+        if window and self.control.should_log:
+            losses = window.fold()
+            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm), "learning_rate": self._step_lr,
+                    **self.logger.throughput_and_memory(self.backend.all_gather, self.device)}
+            self.log(logs)
+        metrics = None
+        if self.control.should_evaluate:
+            metrics = self.evaluate()
+            self._report_to_hp_search(self._trial, step, metrics)  # Hugging Face's: a trial's intermediate value
+            if args.save_strategy == "best":
+                self.control.should_save = best.improves(metrics, self.state.best_metric)
+        if self.control.should_save:
+            # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
+            best.record(self.state, metrics, str(Path(self._get_output_dir(self._trial)) / f"{PREFIX}{step}"))
+            self._save_checkpoint(self.model, self._trial)
+        elif metrics is not None:
+            best.record(self.state, metrics)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Hugging Face's hook (same signature, so a library's override that calls super() works): write
+        `checkpoint-<step>` of the Trainer's model, optimizer, scheduler, RNG and state."""
+        save = self._checkpoints().save_async if self.args.save_async else self._checkpoints().save
+        save(self.state.global_step, self.state, model_only=self.args.save_only_model)  # async: waits for the last
+        self._saved_step = self.state.global_step
+        self._fire("on_save")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Record `logs` for this step in `log_history`, metrics.jsonl, TensorBoard and the progress bar."""
+        entry = {**logs, "epoch": round(self.state.epoch or 0.0, 4), "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self.logger.log(entry)
+        self._fire("on_log", logs=entry)
+
+    def _fire(self, event: str, **kwargs: Any) -> None:
+        """Fire `event` through transformers' `CallbackHandler` (it passes the model, processing class, optimizer
+        and scheduler, as in Hugging Face's Trainer); a returned control replaces ours."""
+        handler = self.callback_handler
+        handler.model, handler.processing_class = self.model, self.processing_class
+        handler.optimizer, handler.lr_scheduler = self.optimizer, self.lr_scheduler
+        # the handler's own method: it resets the flag the event answers (on_log: should_log, ...), as in transformers
+        self.control = getattr(handler, event)(self.args, self.state, self.control, **kwargs)
+
+    # -- evaluation and prediction ---------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss averaged over every eval token on every rank, `compute_metrics`, and speed; logged. As Hugging
+        Face: `get_eval_dataloader(eval_dataset)`, then `evaluation_loop` (each an override point)."""
+        loader = self.get_eval_dataloader(eval_dataset)
+        output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None
+                                      else None, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        self.log(output.metrics)
+        self._fire("on_evaluate", metrics=output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (and labels, loss and metrics when the data has labels) on every rank, in dataset order."""
+        output = self.evaluation_loop(self.get_test_dataloader(test_dataset), "Prediction", ignore_keys=ignore_keys,
+                                      metric_key_prefix=metric_key_prefix)
+        self._fire("on_predict", metrics=output.metrics)
+        return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
+
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Hugging Face's override point: evaluate `dataloader` on every rank (`EvalLoop`).
+
+        A loader from shardtrain's `get_eval_dataloader` / `get_test_dataloader` stands for its dataset, which is
+        evaluated exactly (token sums over every rank, predictions gathered in dataset order); any other loader's
+        batches (an override's) are this rank's, gathered in rank order.
+        """
+        args = self.args
+        loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
+        source = loader_source(dataloader)
+        foreign = isinstance(source, DataLoader)  # not shardtrain's: its batches are this rank's
+        if foreign and (self.dims.cp > 1 or self.dims.tp > 1):
+            raise TrainingArgumentsError(
+                "an overridden get_eval_dataloader/get_test_dataloader returned its own DataLoader while cp_size or "
+                "tp_size > 1, whose ranks must evaluate the same samples; return super().get_eval_dataloader(...) "
+                "(shardtrain's split of the dataset), or evaluate with cp_size and tp_size 1")
+        if not (foreign or is_stream(source)):
+            self._check_eval_dataset(source, f"{metric_key_prefix}_dataset")
+        # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
+        user_step = self._user_prediction_step(ignore_keys)
+        generate = None
+        if args.predict_with_generate and user_step is None:
+            generate = eval_generator(self.model, causal_lm=self.loss_computer.shift_labels,
+                                      max_length=args.generation_max_length, num_beams=args.generation_num_beams)
+        loop = EvalLoop(self.runtime, self.model, self.loss_computer, self._eval_collator(),
+                        args.per_device_eval_batch_size, preprocess=self.preprocess_logits_for_metrics,
+                        seed=args.seed, on_step=self._prediction_batch_done,
+                        prepare=lambda batch: self._model_inputs(batch, add_labels=False), generate=generate,
+                        prediction_step=user_step, batch_metrics=args.batch_eval_metrics,
+                        keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
+                        inputs_key=getattr(self.model, "main_input_name", "input_ids")
+                        if "inputs" in (args.include_for_metrics or []) else None)
+        output, samples = loop.evaluate(source, metric_key_prefix, self.compute_metrics, not loss_only)
+        if self.state.epoch is not None and metric_key_prefix == "eval":
+            output.metrics["epoch"] = self.state.epoch
+        if source is dataloader:  # another loader's batches: the rows it gave (counted where predictions are kept)
+            samples = len(output.predictions) if output.predictions is not None else 0
+        return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
+                              num_samples=samples)
+
+    def _prediction_batch_done(self, steps: int | None) -> None:
+        """on_prediction_step; callbacks see a sized `eval_dataloader` (Hugging Face's evaluation bar reads its
+        length: this rank's batches)."""
+        self.callback_handler.eval_dataloader = range(steps) if steps is not None else None  # a stream: unknown
+        self._fire("on_prediction_step")
+
+    def _user_prediction_step(self, ignore_keys: list[str] | None) -> Callable | None:
+        """`prediction_step` as the eval loop calls it, when the user overrode it or `compute_loss`; else None."""
+        if type(self).prediction_step is Trainer.prediction_step and not self._custom_loss:
+            return None
+
+        def step(inputs: dict, loss_only: bool) -> tuple:
+            loss, logits, labels = self.prediction_step(self.model, inputs, loss_only, ignore_keys)
+            if isinstance(logits, tuple | list):  # several outputs: the first is the predictions
+                logits = logits[0] if logits else None
+            return loss, logits, labels
+        return step
+
+    def _eval_collator(self) -> Callable:
+        """The collator of evaluation and prediction batches (padded even when training packs them)."""
+        return self._unpacked_collator if self._unpacked_collator is not None else self.data_collator
+
+    def _check_eval_dataset(self, dataset: Any, name: str) -> None:
+        if dataset is None:
+            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
+        self.dataset_checks.check(dataset, name, ModelLimits.of(self.model, self.loss_computer.shift_labels),
+                                  need_targets=False)
+
+    # -- dataloaders (for scripts that iterate themselves) ------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """This rank's micro-batches of the first epoch, exactly as `train()` draws them."""
+        if self.train_dataset is None:
+            raise DataError("get_train_dataloader() needs a train_dataset")
+        data = TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator)
+        return data.loader(data.plan(), epoch=0, start_step=0)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """This rank's contiguous share of the evaluation set, collated."""
+        return self._share_loader(eval_dataset if eval_dataset is not None else self.eval_dataset, "eval_dataset")
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        return self._share_loader(test_dataset, "test_dataset")
+
+    def _share_loader(self, dataset: Any, name: str) -> DataLoader:
+        if not is_stream(dataset):
+            self._check_eval_dataset(dataset, name)
+        return eval_loader(dataset, self._eval_collator(), batch_size=self.args.per_device_eval_batch_size,
+                           dp_rank=self.dp_rank, dp_size=self.dims.batch_size, seed=self.args.seed)
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,
+                   merge_adapters: bool = False, _gather_on_rank0: bool = False,
+                   _max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+        """Write what `from_pretrained` loads (`ModelExport`): config.json, safetensors, generation_config.json for
+        generative models, and the processing class's files. Every rank calls it; the directory is checked before
+        the model is gathered, and a failed write raises on every rank.
+
+        A LoRA (PEFT) model writes its adapter (what `PeftModel.from_pretrained(base, dir)` loads), or with
+        `merge_adapters=True` the base with the adapters merged in (peft's `merge_and_unload`). A whole FSDP2 model
+        is written by every rank, none holding it whole; adapters, merged adapters, XLA and non-float states are
+        gathered on rank 0 (`_gather_on_rank0` forces that path: the benchmark compares the two).
+        """
+        return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
+                                              processing_class=self.processing_class,
+                                              args_json=self.args.to_json_string(), merge_adapters=merge_adapters,
+                                              gather_on_rank0=_gather_on_rank0, max_shard_bytes=_max_shard_bytes)
+
+    def save_state(self) -> None:
+        """Write `output_dir/trainer_state.json` (rank 0), as Hugging Face's `save_state`."""
+        if self.is_world_process_zero():
+            self.state.save(Path(self.args.output_dir) / "trainer_state.json")
+
+    def create_model_card(self, model_name: str | None = None, **kwargs: Any) -> None:
+        """A short README.md in output_dir: what was trained, how, and the last logged results."""
+        if self.is_world_process_zero():
+            write_model_card(Path(self.args.output_dir), name=model_name or Path(self.args.output_dir).name,
+                             model=self.model, args=self.args, state=self.state, world_size=self.world_size)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        raise HubError("shardtrain does not upload to the Hugging Face Hub; after save_model, upload the directory "
+                       "with huggingface_hub (HfApi().upload_folder(folder_path=..., repo_id=...))")
+
+    # -- Hugging Face's internals that libraries built on the Trainer read ----------------------------------
+    def is_world_process_zero(self) -> bool:
+        return self.rank == 0
+
+    def is_local_process_zero(self) -> bool:
+        return self.args.local_process_index == 0
+
+    @property
+    def callbacks(self) -> list[TrainerCallback]:
+        return self.callback_handler.callbacks
+
+    @property
+    def accelerator(self) -> Any:
+        """An Accelerate `Accelerator` on shardtrain's process group, for the code of libraries built on Hugging
+        Face's Trainer (`gather_for_metrics`, `num_processes`, `unwrap_model`, `is_main_process`). It never wraps,
+        shards or moves the model: shardtrain's backend does that. Built on first use."""
+        if self.__dict__.get("_accelerator") is None:
+            self.__dict__["_accelerator"] = engine_accelerator(self.backend, self.args)
+        return self.__dict__["_accelerator"]
+
+    @accelerator.setter
+    def accelerator(self, value: Any) -> None:
+        self.__dict__["_accelerator"] = value
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Hugging Face's hook after a trial's arguments are set: the engine's `accelerator` is rebuilt on next
+        use (from the new arguments); no Accelerate plugin is ever created."""
+        self.__dict__["_accelerator"] = None
+
+    def _report_to_hp_search(self, trial: Any, step: int, metrics: dict[str, float]) -> None:
+        """Hugging Face's: a trial's intermediate objective to its study (which may prune it); on several ranks,
+        rank 0's decision is every rank's (`shardtrain.train.hp_search`)."""
+        def report() -> None:
+            super(Trainer, self)._report_to_hp_search(trial, step, metrics)
+
+        if self.world_size == 1 or trial is None or self.hp_search_backend != "optuna":
+            return report()
+        report_agreed(report, rank=self.rank, broadcast=lambda t: self.backend.broadcast(t, src=0),
+                      device=self.device, on_pruned=lambda: self._fire("on_train_end"))
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward
+        parameters and the label names)."""
+        if self._signature_columns is None:
+            self._signature_columns = sorted(forward_columns(self.model))
+
+    def get_tp_size(self) -> int:
+        return self.dims.tp
+
+    def get_cp_size(self) -> int:
+        return self.dims.cp
+
+    def get_sp_size(self) -> int:
+        return 1

@@ -1,0 +1,126 @@
+"""One optimizer step of the Trainer: the global target count (which also carries every rank's preemption flag),
+Hugging Face's `training_step` on each micro-batch, the exact normalisation and clipping (`StepRunner`), and the
+optimizer and scheduler step with Hugging Face's callbacks around it.
+
+    step = OptimizerStep(runtime=runtime, loss=loss_computer, runner=runner, preemption=preemption)
+    result = step.run(batches, placeholders, step=global_step, step_samples=64, training_step=fn, loss_scale=1,
+                      by_samples=False, optimizer=optimizer, scheduler=scheduler, fire=fire)
+
+The loss of a step is the sum over every target token of the global batch (all ranks, all micro-steps) divided
+by the number of those tokens, so a run depends on the global batch only, not on its split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardtrain.errors import DataError
+from shardtrain.parallel.runtime import Runtime
+from shardtrain.train.loss import LossComputer
+from shardtrain.train.preemption import Preempted, PreemptionHandler
+from shardtrain.train.step_runner import StepRunner
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What one optimizer step reports.
+
+    Attributes:
+        loss_sum: this rank's sum of token losses (not synchronised: `LossWindow` all-reduces once per log).
+        tokens: the global batch's target tokens (samples, for a loss per sample).
+        input_tokens: the global batch's input tokens.
+        grad_norm: the gradient norm of the step's mean loss, before clipping.
+        learning_rate: the rate this step used (what Hugging Face logs).
+    """
+
+    loss_sum: torch.Tensor
+    tokens: int
+    input_tokens: int
+    grad_norm: torch.Tensor
+    learning_rate: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerStep:
+    """Runs the Trainer's optimizer steps (see module docstring).
+
+    Attributes:
+        runtime: the backend (collectives, the optimizer step), the layout and the device.
+        loss: the model's `LossComputer` (counts targets; marks placeholder micro-batches).
+        runner: the micro-batches, normalisation, clipping and optimizer step shared with `shardtrain plan`.
+        preemption: SIGTERM's flag, agreed on by every rank before each step.
+    """
+
+    runtime: Runtime
+    loss: LossComputer
+    runner: StepRunner
+    preemption: PreemptionHandler
+
+    def run(self, batches: list[dict[str, Any]], placeholders: list[bool] | None, *, step: int, step_samples: int,
+            training_step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], loss_scale: int,
+            by_samples: bool, optimizer: torch.optim.Optimizer, scheduler: Any,
+            fire: Callable[[str], None]) -> StepResult:
+        """Forward and backward of each micro-batch (`training_step(batch, num_items_in_batch)`, which returns
+        Hugging Face's loss: the micro-batch's share of the step loss times `loss_scale`; its backward is scaled
+        by 1 / `step_samples`, the global batch in samples), then the optimizer step.
+
+        Raises:
+            Preempted: on every rank, when any rank received SIGTERM (before the step changes anything).
+            DataError: on every rank, when the global batch has no target.
+        """
+        placeholders = placeholders or [False] * len(batches)
+        # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the forward
+        num_items = self.global_items(batches, placeholders, by_samples, step)
+        loss_sum = torch.zeros((), device=self.runtime.device)
+        learning_rate = 0.0
+
+        def micro_step(index: int, batch: dict[str, Any]) -> None:
+            nonlocal loss_sum
+            self.loss.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
+            try:
+                loss = training_step(batch, num_items)
+            finally:
+                self.loss.placeholder = False
+            loss_sum += loss.detach().float() * num_items / loss_scale
+
+        def optimizer_step() -> None:
+            nonlocal learning_rate
+            fire("on_pre_optimizer_step")
+            self.runtime.backend.optimizer_step(optimizer)
+            fire("on_optimizer_step")
+            learning_rate = scheduler.get_last_lr()[0]
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            self.runtime.backend.step_end()
+
+        # The backward pass needs a scale that is the same on every rank and known without communication:
+        # 1 / step_samples, applied by training_step. The exact 1 / (global target tokens) is applied
+        # afterwards by the runner, whose one all-reduce carries the token counts with the gradient norm.
+        grad_norm, counts = self.runner.run(
+            batches, micro_step, self.loss.local_counts(batches, placeholders, by_samples),
+            step_samples, optimizer_step=optimizer_step,
+            between=lambda: fire("on_substep_end"))
+        tokens, input_tokens = (int(c) for c in counts.tolist())
+        return StepResult(loss_sum=loss_sum, tokens=tokens, input_tokens=input_tokens, grad_norm=grad_norm,
+                          learning_rate=learning_rate)
+
+    def global_items(self, batches: list[dict[str, Any]], placeholders: list[bool], by_samples: bool,
+                     step: int) -> torch.Tensor:
+        """The global batch's target tokens (samples: `by_samples`) as int64 on the device, in one small
+        all-reduce that also carries whether any rank was asked to stop (see `run`'s errors)."""
+        device = self.runtime.device
+        header = torch.stack([self.loss.local_counts(batches, placeholders, by_samples)[0],
+                              torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=device)])
+        self.runtime.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
+        counted, stop = header.tolist()  # one device sync for both
+        if stop > 0:
+            raise Preempted(step)
+        items = round(counted / self.runtime.dims.tp)
+        if items == 0:  # every rank knows the global count: all raise together, before a useless update
+            raise DataError(f"the global batch of step {step + 1} has no target token (every label is -100); make "
+                            "sure each batch has labels to learn from (longer samples, or a larger batch)")
+        return torch.tensor(items, dtype=torch.int64, device=device)
