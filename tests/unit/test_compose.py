@@ -1,11 +1,17 @@
 """`on_engine` / `arguments_on_engine` compose a library's Trainer and arguments with shardtrain's."""
 
 import dataclasses
+import inspect
+import re
+from pathlib import Path
 
 import pytest
+import sentence_transformers
 import transformers
+import trl
 
 import shardtrain
+import shardtrain.train.trainer as engine_trainer
 from shardtrain.errors import TrainingArgumentsError
 
 
@@ -89,3 +95,20 @@ def test_a_stream_needs_max_steps(tmp_path):
         check_stream_arguments(shardtrain.TrainingArguments(str(tmp_path)))
     with pytest.raises(TrainingArgumentsError, match="save_strategy='steps'"):
         check_stream_arguments(shardtrain.TrainingArguments(str(tmp_path), max_steps=3, save_strategy="epoch"))
+
+
+def test_the_engine_attributes_are_not_names_a_library_trainer_uses():
+    """A composed trainer is one instance: a name the engine adds (beyond transformers.Trainer's) that a TRL or
+    sentence-transformers trainer also uses would be overwritten by one of them (TRL's distillation trainer counts
+    `self._step`). Read from the installed sources; `device` means the same device in both."""
+    def names(text: str) -> set[str]:
+        return set(re.findall(r"self\.(\w+)", text))
+
+    hugging_face = names(inspect.getsource(transformers.trainer)) | set(dir(transformers.Trainer))
+    added = names(inspect.getsource(engine_trainer)) - hugging_face
+    assert {"_engine_step", "runtime", "loss_computer"} <= added  # the scan sees what the engine adds
+    libraries = [*Path(trl.__file__).parent.rglob("*trainer*.py"),
+                 *Path(sentence_transformers.__file__).parent.rglob("*trainer*.py")]
+    assert len(libraries) > 10
+    used = {path.name: names(path.read_text()) & added - {"device"} for path in libraries}
+    assert {name: sorted(clash) for name, clash in used.items() if clash} == {}

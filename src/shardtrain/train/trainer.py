@@ -197,7 +197,8 @@ class Trainer(transformers.Trainer):
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
-        self._micro_batches, self._step_samples = 1, 1  # of the current optimizer step (set before each one)
+        # the current optimizer step's micro-batches and samples (set before each step; names no library uses)
+        self._engine_micro_batches, self._engine_step_samples = 1, 1
         self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
@@ -325,7 +326,7 @@ class Trainer(transformers.Trainer):
         # this run's step (its max_grad_norm may be a trial's)
         runner = StepRunner(model=self.model, dims=self.dims, max_grad_norm=args.max_grad_norm,
                             sharded=self.backend.is_sharded(self.model))
-        self._step = OptimizerStep(runtime=self.runtime, loss=self.loss_computer, runner=runner,
+        self._engine_step = OptimizerStep(runtime=self.runtime, loss=self.loss_computer, runner=runner,
                                    preemption=self.preemption)
         start_step, start_time = self.state.global_step, time.time()
         window = LossWindow(lambda t: self.backend.all_reduce(t, group=self.meshes.loss.get_group()),
@@ -451,12 +452,13 @@ class Trainer(transformers.Trainer):
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool]) -> StepResult:
         """One optimizer step (`OptimizerStep`): `training_step` on each micro-batch, then clip and step."""
         batches = [self._model_inputs(b) for b in batches]
-        self._step_samples = max(self.state.global_batch_size, 1)  # training_step's backward scale
-        self._micro_batches = len(batches)
-        result = self._step.run(batches, placeholders, step=self.state.global_step, step_samples=self._step_samples,
-                                training_step=lambda batch, items: self.training_step(self.model, batch, items),
-                                loss_scale=self._loss_scale, by_samples=self._loss_per_sample,
-                                optimizer=self.optimizer, scheduler=self.lr_scheduler, fire=self._fire)
+        self._engine_step_samples = max(self.state.global_batch_size, 1)  # training_step's backward scale
+        self._engine_micro_batches = len(batches)
+        result = self._engine_step.run(batches, placeholders, step=self.state.global_step,
+                                       step_samples=self._engine_step_samples,
+                                       training_step=lambda batch, items: self.training_step(self.model, batch, items),
+                                       loss_scale=self._loss_scale, by_samples=self._loss_per_sample,
+                                       optimizer=self.optimizer, scheduler=self.lr_scheduler, fire=self._fire)
         self._step_lr = result.learning_rate
         self.state.num_input_tokens_seen += result.input_tokens
         self.state.total_flos += 6.0 * self._flop_params() * result.input_tokens
@@ -493,7 +495,7 @@ class Trainer(transformers.Trainer):
             loss = loss_sum / count
             if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
                 # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
-                loss = loss + self.router_loss.local_share(outputs, inputs) / self._micro_batches
+                loss = loss + self.router_loss.local_share(outputs, inputs) / self._engine_micro_batches
         if num_items_in_batch is not None:
             loss = loss * self._loss_scale  # Hugging Face's convention (see _loss_scale)
         return (loss, outputs) if return_outputs else loss
@@ -525,7 +527,7 @@ class Trainer(transformers.Trainer):
             micro_sum = self.loss_computer(inputs)
         if self.loss_computer.placeholder:  # stands in for no sample: forward and backward (FSDP collectives), weight 0
             micro_sum = micro_sum * 0.0
-        (micro_sum / self._step_samples).backward()
+        (micro_sum / self._engine_step_samples).backward()
         # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
         return micro_sum.detach() / num_items_in_batch * self._loss_scale
 
