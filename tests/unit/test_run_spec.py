@@ -42,7 +42,6 @@ def test_frozen_and_independent_of_later_changes(tmp_path):
 
 # each layer may import the ones after it in this list, never one before it
 LAYERS = ["cli", "plan", "train", "checkpoint", "parallel", "config"]
-ALLOWED = {("checkpoint", "parallel"), ("parallel", "checkpoint")}  # the backend seam: states <-> distributed set-up
 
 
 def test_lower_layers_never_import_upper_ones():
@@ -58,7 +57,7 @@ def test_lower_layers_never_import_upper_ones():
                 parts = name.split(".")
                 if parts[0] != "shardtrain" or len(parts) < 2 or parts[1] not in LAYERS:
                     continue
-                if LAYERS.index(parts[1]) < LAYERS.index(layer) and (layer, parts[1]) not in ALLOWED:
+                if LAYERS.index(parts[1]) < LAYERS.index(layer):
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert wrong == []
 

@@ -57,7 +57,7 @@ from shardtrain.checkpoint.full import (
     tensor_nbytes,
     write_config,
 )
-from shardtrain.checkpoint.model_state import tied_aliases
+from shardtrain.parallel.states import tied_aliases
 
 STAGING_DIR = ".shardtrain-save"  # inside the output directory: same filesystem, so the final moves are renames
 STAGING_BYTES = 256 * 1024**2  # global bytes per staging file (see `staging_groups`)

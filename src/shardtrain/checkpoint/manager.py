@@ -56,9 +56,9 @@ from shardtrain.checkpoint.model_state import (
     set_rng_state,
 )
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
-from shardtrain.checkpoint.state_access import TorchStates
 from shardtrain.errors import CheckpointError
 from shardtrain.parallel.distributed import barrier
+from shardtrain.parallel.states import TorchStates
 
 
 class CheckpointManager:
@@ -92,7 +92,7 @@ class CheckpointManager:
         self._async = AsyncSaver(self)
 
     def states(self) -> TorchStates:
-        """Access to the current model and optimizer state (see `shardtrain.checkpoint.state_access`)."""
+        """Access to the current model and optimizer state (see `shardtrain.parallel.states`)."""
         return self.state_access(self.model, self.optimizer, trainable_only=self.frozen_base is not None)
 
     # -- public API -----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""What a checkpoint stores besides files: the model's full state and config, RNG states, tied-weight aliases,
-the identity of a frozen base (adapter checkpoints).
+"""What a checkpoint stores besides the model's tensors: the model's class and config, RNG states, the identity of
+a frozen base (adapter checkpoints). (How the tensors are read: `shardtrain.parallel.states`.)
 
 Pure functions shared by the checkpoint manager, the async save path and `Trainer.save_model`.
 """
@@ -15,28 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from shardtrain import model_facts
 from shardtrain.checkpoint.layout import BASE_FILE
-
-# Prefixes that wrappers add to parameter names: activation checkpointing, torch.compile, torch_xla's SPMD
-# FSDP and its v1 wrapper. Checkpoints use the names without them.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_orig_module.", "_fsdp_wrapped_module.",
-                    "_fpw_module.")
-
-# name -> (get, set): RNG states beyond Python/NumPy/torch/CUDA that a backend registers (XLA's), saved in
-# every rng_state file (values torch.load(weights_only=True) reads)
-EXTRA_RNG: dict[str, tuple[Any, Any]] = {}
-
-
-def clean_name(name: str) -> str:
-    """`name` without wrapper prefixes (`WRAPPER_PREFIXES`)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
+from shardtrain.parallel.states import EXTRA_RNG
 
 # torch_xla's FSDP wrappers (v1 and SPMD) and v1's parameter flattener: each holds the model as `.module`
 _WRAPPER_CLASSES = frozenset({"XlaFullyShardedDataParallel", "SpmdFullyShardedDataParallel", "XlaFlattenParamsWrapper"})
@@ -78,19 +60,6 @@ def model_config_dict(model: nn.Module) -> dict[str, Any] | None:
     return data
 
 
-def full_model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The whole model (`trainable_only`: its trainable parameters) gathered on CPU on rank 0 (empty on other
-    ranks); every rank must call it.
-
-    A tied weight appears once, under its first name (`from_pretrained` re-ties the others from the config).
-    """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                 ignore_frozen_params=trainable_only))
-    for alias in tied_aliases(model):
-        state.pop(alias, None)
-    return state
-
-
 def rng_state() -> dict[str, Any]:
     """This process's RNG states as tensors (loadable with weights_only=True)."""
     version, state, gauss = random.getstate()
@@ -115,12 +84,6 @@ def set_rng_state(saved: dict[str, Any]) -> None:
     for name, (_, set_) in EXTRA_RNG.items():
         if name in saved:
             set_(saved[name])
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """name -> first name of the same parameter, for parameters reachable under several names (names as saved:
-    without the wrappers' prefixes)."""
-    return {clean_name(alias): clean_name(name) for alias, name in model_facts.tied_aliases(model).items()}
 
 
 def frozen_digests(model: nn.Module, rank: int = 0, world_size: int = 1) -> dict[str, str]:

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from shardtrain.checkpoint.state_access import TorchStates
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.parallel.distributed import current_device, init_distributed
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.loading import fill_from_rank0, has_meta_tensors, meta_source, read_from_source
+from shardtrain.parallel.states import TorchStates
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 # where a model object's weights come from (`TrainingBackend._weight_source`; else a directory and its read plan)

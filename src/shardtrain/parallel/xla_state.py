@@ -1,4 +1,4 @@
-"""Checkpoint state on the XLA path, in the layout FSDP2 checkpoints have (see `checkpoint.state_access`).
+"""Checkpoint state on the XLA path, in the layout FSDP2 checkpoints have (see `parallel.states`).
 
 The model's entries are read on the host: under SPMD one process holds every shard, so `.cpu()` of a sharded
 parameter is the whole parameter and keys are the model's own names (the wrappers' `_orig_module.` removed):
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.checkpoint.model_state import EXTRA_RNG, clean_name, tied_aliases
 from shardtrain.errors import CheckpointError
+from shardtrain.parallel.states import EXTRA_RNG, clean_name, tied_aliases
 
 
 def register_xla_rng() -> None:

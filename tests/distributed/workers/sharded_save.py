@@ -23,8 +23,8 @@ import shardtrain.checkpoint.async_manager as async_manager
 import shardtrain.checkpoint.hf_export as hf_export
 import shardtrain.checkpoint.manager as manager
 from shardtrain import Trainer, TrainingArguments, destroy_distributed
-from shardtrain.checkpoint.model_state import full_model_state
 from shardtrain.errors import OutputDirError
+from shardtrain.parallel.states import full_model_state
 
 COUNTS = {"full_tensor_bytes": 0, "consolidated": [], "whole_reads": 0, "rank0_gathers": 0}
 

@@ -91,7 +91,7 @@ def run(name: str, dataset, dropout: float | None, resume: str | None = None, **
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
     weights = None
     if MODE == "ours":
-        from shardtrain.checkpoint.model_state import full_model_state
+        from shardtrain.parallel.states import full_model_state
 
         weights = full_model_state(trainer.model)
     position = [trainer.state.data_epoch, trainer.state.data_step] if MODE == "ours" else None

@@ -220,7 +220,7 @@ def run_job(knobs: dict) -> None:
                                                max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                                pad_token_id=0)[0].tolist()
     if weights:
-        from shardtrain.checkpoint.model_state import full_model_state
+        from shardtrain.parallel.states import full_model_state
 
         state_dict = full_model_state(trainer.model)
         if trainer.rank == 0:

@@ -1,8 +1,11 @@
-"""How a checkpoint reads and writes a model and its optimizer: the one part of `CheckpointManager` that depends
-on the backend. `TorchStates` serves FSDP2 (DTensor) and plain modules through
-`torch.distributed.checkpoint.state_dict`; the XLA backend has its own (`shardtrain.parallel.xla_state`).
-Both hand DCP the same layout: `{"model": {fqn: tensor}, "optimizer": {"state": {fqn: ...}, "param_groups": ...}}`
-with the model's own parameter names, so `merge`, `from_pretrained` and resume do not care which backend wrote it.
+"""How a parallelised model's state is read and written, the part of checkpointing that depends on the backend.
+
+`TorchStates` serves FSDP2 (DTensor) and plain modules through `torch.distributed.checkpoint.state_dict`; the XLA
+backend has its own (`shardtrain.parallel.xla_state`), and a backend names its class (`TrainingBackend.state_access`)
+for the checkpoint manager. Both hand DCP the same layout: `{"model": {fqn: tensor}, "optimizer": {"state":
+{fqn: ...}, "param_groups": ...}}` with the model's own parameter names (`clean_name`: without the wrappers'
+prefixes; a tied weight under its first name), so `merge`, `from_pretrained` and resume do not care which backend
+wrote it. `EXTRA_RNG` is where a backend registers RNG states of its own for the checkpoints' rng files.
 """
 
 from __future__ import annotations
@@ -19,7 +22,42 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardtrain.checkpoint.model_state import full_model_state, tied_aliases
+from shardtrain import model_facts
+
+# Prefixes that wrappers add to parameter names: activation checkpointing, torch.compile, torch_xla's SPMD
+# FSDP and its v1 wrapper. Checkpoints use the names without them.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_orig_module.", "_fsdp_wrapped_module.",
+                    "_fpw_module.")
+
+# name -> (get, set): RNG states beyond Python/NumPy/torch/CUDA that a backend registers (XLA's), saved in
+# every rng_state file (values torch.load(weights_only=True) reads)
+EXTRA_RNG: dict[str, tuple[Any, Any]] = {}
+
+
+def clean_name(name: str) -> str:
+    """`name` without wrapper prefixes (`WRAPPER_PREFIXES`)."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """name -> first name of the same parameter, for parameters reachable under several names (names as saved:
+    without the wrappers' prefixes)."""
+    return {clean_name(alias): clean_name(name) for alias, name in model_facts.tied_aliases(model).items()}
+
+
+def full_model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model (`trainable_only`: its trainable parameters) gathered on CPU on rank 0 (empty on other
+    ranks); every rank must call it.
+
+    A tied weight appears once, under its first name (`from_pretrained` re-ties the others from the config).
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=trainable_only))
+    for alias in tied_aliases(model):
+        state.pop(alias, None)
+    return state
 
 
 class TorchStates:
