@@ -418,7 +418,7 @@ class Trainer(transformers.Trainer):
 
     def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int,
                     window: LossWindow) -> None:
-        grad_norm = torch.zeros(())
+        last: StepResult | None = None  # the newest step (a log entry reports its grad norm and learning rate)
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             # where the data stands: derived from the step (map-style), or saved with it (a stream)
             epoch, start = (self.state.data_epoch, self.state.data_step) if isinstance(plan, StreamPlan) else \
@@ -427,16 +427,15 @@ class Trainer(transformers.Trainer):
             self._fire("on_epoch_begin")
             for step, (batches, placeholders) in enumerate(data.epoch_steps(plan, epoch, start), start):
                 self._fire("on_step_begin")
-                result = self._optimizer_step(batches, placeholders)
-                grad_norm = result.grad_norm
+                last = self._optimizer_step(batches, placeholders)
                 self.state.global_step += 1
                 self.state.data_epoch, self.state.data_step = epoch, step + 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
                     float(epoch)  # a stream: the passes completed
-                window.add(result.loss_sum, result.tokens)
+                window.add(last.loss_sum, last.tokens)
                 self.logger.step_done(self.state.num_input_tokens_seen)
                 self._fire("on_step_end")
-                self._maybe_log_evaluate_save(window, grad_norm)
+                self._maybe_log_evaluate_save(window, last)
                 if self.state.global_step >= max_steps or self.control.should_training_stop or \
                         self.control.should_epoch_stop:
                     break
@@ -445,7 +444,7 @@ class Trainer(transformers.Trainer):
                     raise DataError("train_dataset (a stream) gave no sample; check that iterating it yields samples")
                 self.state.data_epoch, self.state.data_step = epoch + 1, 0
             self._fire("on_epoch_end")
-            self._maybe_log_evaluate_save(window, grad_norm)  # what on_epoch_end asked for (epoch strategies)
+            self._maybe_log_evaluate_save(window, last)  # what on_epoch_end asked for (epoch strategies)
         if window:  # steps after the last log entry: in train_loss, as under Hugging Face
             window.fold()
 
@@ -459,7 +458,6 @@ class Trainer(transformers.Trainer):
                                        training_step=lambda batch, items: self.training_step(self.model, batch, items),
                                        loss_scale=self._loss_scale, by_samples=self._loss_per_sample,
                                        optimizer=self.optimizer, scheduler=self.lr_scheduler, fire=self._fire)
-        self._step_lr = result.learning_rate
         self.state.num_input_tokens_seen += result.input_tokens
         self.state.total_flos += 6.0 * self._flop_params() * result.input_tokens
         return result
@@ -616,13 +614,15 @@ class Trainer(transformers.Trainer):
         return self.lr_scheduler
 
     # -- logging, evaluation and saving during training -----------------------------------------------------
-    def _maybe_log_evaluate_save(self, window: LossWindow, grad_norm: torch.Tensor) -> None:
+    def _maybe_log_evaluate_save(self, window: LossWindow, last: StepResult | None) -> None:
         """Hugging Face's `_maybe_log_save_evaluate`: log (the losses of the steps in `window`), evaluate, save,
         as the `control` flags say (each event resets its flag)."""
         args, step, best = self.args, self.state.global_step, BestMetric.of(self.args)
         if window and self.control.should_log:
             losses = window.fold()
-            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(grad_norm), "learning_rate": self._step_lr,
+            # a window holds steps, so `last` is one of them
+            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(last.grad_norm),
+                    "learning_rate": last.learning_rate,
                     **self.logger.throughput_and_memory(self.backend.all_gather, self.device)}
             self.log(logs)
         metrics = None
