@@ -72,6 +72,10 @@ class TrainingArgumentsError(UserError, ValueError):
     """An argument that cannot be used; the message names the field and the fix."""
 
 
+class TrainerOverrideError(UserError, TypeError):
+    """A Trainer subclass overrides a method the engine never calls; the message names the method and the fix."""
+
+
 class ChunkedLossError(UserError, ValueError):
     """`loss_chunk_size` asked for chunking on a model (or setup) where the chunked loss would not be exact."""
 

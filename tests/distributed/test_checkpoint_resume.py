@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import transformers
 from launch import python, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "train_run.py"
@@ -60,7 +61,9 @@ def test_checkpoint_layout(runs, kind):
         assert "model.safetensors" in names
         assert sorted(p.name for p in (ckpt / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["global_step"] == 5 and state["global_batch_size"] == 8
+    engine = json.loads((ckpt / "shardtrain_state.json").read_text())
+    assert state["global_step"] == 5 and engine["global_batch_size"] == 8 and "global_batch_size" not in state
+    assert transformers.TrainerState.load_from_json(str(ckpt / "trainer_state.json")).global_step == 5
     assert not [p for p in (runs / kind).iterdir() if p.name.startswith(".tmp")]
 
 

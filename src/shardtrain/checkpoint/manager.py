@@ -7,7 +7,11 @@ Layout of `output_dir/checkpoint-<step>/`:
                                     gathered on rank 0
     optimizer/                      FULL_STATE_DICT: optimizer state through DCP (one file per rank)
     sharded/                        SHARDED_STATE_DICT: model + optimizer through DCP (one file per rank)
-    scheduler.json, trainer_state.json, rng_state_<rank>.pt
+    scheduler.json, rng_state_<rank>.pt
+    trainer_state.json (Hugging Face's), shardtrain_state.json (the batch plan and data position)
+    (a run that shards nothing: Hugging Face's optimizer.pt, scheduler.pt and rng_state.pth instead, `hf_files`)
+
+Resume reads these, and a checkpoint `transformers.Trainer` wrote (`hf_files`), on any number of ranks.
 
 Crash safety: everything is written under `.tmp-checkpoint-<step>`; when every rank has finished, rank 0
 fsyncs the files and renames the directory (atomic on one filesystem; multi-node runs need a shared one).
@@ -31,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardtrain.checkpoint import hf_files
 from shardtrain.checkpoint.async_manager import AsyncSaver
 from shardtrain.checkpoint.async_save import InFlightSave
 from shardtrain.checkpoint.atomic import AtomicWrites
@@ -39,6 +44,7 @@ from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, w
 from shardtrain.checkpoint.hf_export import distributed_state, read_sharded_pretrained, save_sharded_pretrained
 from shardtrain.checkpoint.layout import (
     BASE_FILE,
+    ENGINE_STATE_FILE,
     NAME,
     OPTIMIZER_DIR,
     RNG_PREFIX,
@@ -47,6 +53,7 @@ from shardtrain.checkpoint.layout import (
     STATE_FILE,
     TIED_FILE,
     checkpoint_kind,
+    is_transformers_checkpoint,
 )
 from shardtrain.checkpoint.manifest import manifest_problem
 from shardtrain.checkpoint.model_state import (
@@ -58,7 +65,7 @@ from shardtrain.checkpoint.model_state import (
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.errors import CheckpointError
 from shardtrain.parallel.distributed import barrier
-from shardtrain.parallel.states import TorchStates
+from shardtrain.parallel.states import TorchStates, clean_name
 
 
 class CheckpointManager:
@@ -74,18 +81,22 @@ class CheckpointManager:
         extra_files: name -> text, written into every checkpoint by rank 0 (e.g. adapter_config.json).
         state_access: how model and optimizer state are read and written (`TorchStates`; the XLA backend
             passes its own).
+        hf_layout: write Hugging Face's optimizer.pt, scheduler.pt and rng_state.pth (a run that shards
+            nothing: one plain process), which `transformers.Trainer` resumes.
     """
 
     def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
                  save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None,
-                 extra_files: dict[str, str] | None = None, state_access: type = TorchStates) -> None:
+                 extra_files: dict[str, str] | None = None, state_access: type = TorchStates,
+                 hf_layout: bool = False) -> None:
         self.output_dir = Path(output_dir)
         self.extra_files = dict(extra_files or {})
         self.frozen_base = frozen_base
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state_access = state_access
-        self.state_dict_type = state_dict_type
+        self.state_dict_type = "FULL_STATE_DICT" if hf_layout else state_dict_type
+        self.hf_layout = hf_layout
         self.save_total_limit = save_total_limit
         self.rank = dist.get_rank()
         self.writes = AtomicWrites(self.output_dir, self.rank)  # the temporary directory, agreement, commit
@@ -115,6 +126,7 @@ class CheckpointManager:
     def save_async(self, step: int, state: Any, *, model_only: bool = False) -> Path:
         """Start writing `checkpoint-<step>` in the background; returns the path it will have once committed.
 
+        Hugging Face's layout (`hf_layout`) is written synchronously: one process, `torch.save` of plain tensors.
         Waits for the previous async save first (and raises its error, on every rank). Returns once the state is
         staged in CPU memory and the small files are written; the rest and the commit follow in the background
         (see `shardtrain.checkpoint.async_save`). Call `wait()` before relying on the checkpoint (the Trainer does
@@ -124,6 +136,8 @@ class CheckpointManager:
             CheckpointError: the previous save, or this one's synchronous part, failed on some rank; every
                 rank raises it and the partial `.tmp-checkpoint-<step>` is removed.
         """
+        if self.hf_layout:
+            return self.save(step, state, model_only=model_only)
         return self._async.save(step, state, model_only=model_only)
 
     def wait(self) -> Path | None:
@@ -160,14 +174,19 @@ class CheckpointManager:
                                        tmp, step)
                 del full
             del shards
-            if with_optim:
+            if with_optim and self.hf_layout:
+                torch.save(self.optimizer.state_dict(), tmp / hf_files.OPTIMIZER_FILE)
+            elif with_optim:
                 dcp.save({"optimizer": states.optimizer_state()}, checkpoint_id=str(tmp / OPTIMIZER_DIR))
         fault_point("after_model", step)
         self.write_small_files(tmp, state, model_only)
 
     def write_small_files(self, tmp: Path, state: Any, model_only: bool) -> None:
         """RNG state of every rank; on rank 0 config, tied names, scheduler and trainer state."""
-        torch.save(rng_state(), tmp / f"{RNG_PREFIX}{self.rank}.pt")
+        if self.hf_layout:
+            hf_files.save_rng(tmp, self.rank, dist.get_world_size())
+        else:
+            torch.save(rng_state(), tmp / f"{RNG_PREFIX}{self.rank}.pt")
         if self.rank == 0:
             config = model_config_dict(self.model)
             if config is not None:
@@ -177,9 +196,11 @@ class CheckpointManager:
                 (tmp / BASE_FILE).write_text(json.dumps(self.frozen_base, indent=2))
             for name, text in self.extra_files.items():
                 (tmp / name).write_text(text)
-            if self.scheduler is not None and not model_only:
+            if self.scheduler is not None and not model_only and self.hf_layout:
+                torch.save(self.scheduler.state_dict(), tmp / hf_files.SCHEDULER_FILE)
+            elif self.scheduler is not None and not model_only:
                 (tmp / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
-            state.save(tmp / STATE_FILE)
+            state.save(tmp)
 
     def commit(self, tmp: Path, final: Path, step: int, keep: str | None) -> None:
         """Rank 0: publish `tmp` as `final` (manifest, fsync, rename), then rotate, keeping `keep` (the best)."""
@@ -197,24 +218,42 @@ class CheckpointManager:
 
     @classmethod
     def resumable(cls, output_dir: str | Path) -> tuple[Path | None, list[str]]:
-        """The newest checkpoint whose files match its manifest, and one warning per newer damaged one."""
+        """The newest checkpoint whose files match its manifest (or, written by `transformers.Trainer`, holds a
+        readable state and a model), and one warning per newer damaged one."""
         warnings = []
         for path in reversed(cls.list_checkpoints(output_dir)):
-            problem = manifest_problem(path)
+            problem = cls.problem(path)
             if problem is None:
                 return path, warnings
             warnings.append(f"skipping damaged checkpoint {path}: {problem}")
         return None, warnings
 
     @staticmethod
-    def read_state(path: str | Path) -> dict[str, Any]:
-        """The trainer state saved in checkpoint `path`, after checking the checkpoint against its manifest."""
+    def problem(path: Path) -> str | None:
+        """What makes checkpoint `path` unusable: files that do not match its manifest, or (written by
+        `transformers.Trainer`, which keeps no manifest) an unreadable state or no model; None when usable."""
+        if not is_transformers_checkpoint(path):
+            return manifest_problem(path)
+        try:
+            json.loads((path / STATE_FILE).read_text())
+            checkpoint_kind(path)
+        except (ValueError, OSError, CheckpointError) as err:
+            return f"{STATE_FILE} or the model files are not readable ({err})"
+        return None
+
+    @classmethod
+    def read_state(cls, path: str | Path) -> dict[str, Any]:
+        """The trainer state saved in checkpoint `path` (Hugging Face's fields and ours), after checking the
+        checkpoint against its manifest."""
         path = Path(path)
-        problem = manifest_problem(path)
+        problem = cls.problem(path)
         if problem is not None:
             raise CheckpointError(f"cannot load checkpoint {path}: {problem}. Resume from another checkpoint, or "
                                   f"use resume_from_checkpoint='auto' to take the newest undamaged one")
-        return json.loads((path / STATE_FILE).read_text())
+        state = json.loads((path / STATE_FILE).read_text())
+        if (path / ENGINE_STATE_FILE).is_file():
+            state.update(json.loads((path / ENGINE_STATE_FILE).read_text()))
+        return state
 
     def load(self, path: str | Path, *, weights_only: bool = False) -> dict[str, Any] | None:
         """Restore model (and unless `weights_only`, optimizer, scheduler, RNG) from `path`.
@@ -247,10 +286,19 @@ class CheckpointManager:
             return None
         if self.scheduler is not None and (path / SCHEDULER_FILE).is_file():
             self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
-        rng_file = path / f"{RNG_PREFIX}{self.rank}.pt"
-        if rng_file.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
-            set_rng_state(torch.load(rng_file, weights_only=True))
+        elif self.scheduler is not None and (path / hf_files.SCHEDULER_FILE).is_file():
+            self.scheduler.load_state_dict(hf_files.load_tensors(path / hf_files.SCHEDULER_FILE))
+        self._load_rng(path)
         return state
+
+    def _load_rng(self, path: Path) -> None:
+        """This rank's RNG states, from our file or Hugging Face's; a rank without one (resuming on more ranks
+        than saved) keeps its seed."""
+        ours, theirs = path / f"{RNG_PREFIX}{self.rank}.pt", path / hf_files.rng_file(self.rank, dist.get_world_size())
+        if ours.is_file():
+            set_rng_state(torch.load(ours, weights_only=True))
+        elif theirs.is_file():
+            hf_files.set_rng(hf_files.load_tensors(theirs))
 
     def close(self) -> None:
         """Wait for an async save in flight (raising its error), release its buffers and thread; then a barrier."""
@@ -340,10 +388,22 @@ class CheckpointManager:
             full = read_full_checkpoint(path) if self.rank == 0 else {}
             states.load_full_model_state(full)
             del full
-        if load_optim:
-            if not (path / OPTIMIZER_DIR).is_dir():
-                raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "
-                                      "a new run's weights but not resume one")
+        if load_optim and (path / OPTIMIZER_DIR).is_dir():
             optim = {"optimizer": states.optimizer_state()}
             dcp_load(optim, path / OPTIMIZER_DIR)
             states.load_optimizer_state(optim["optimizer"])
+        elif load_optim and (path / hf_files.OPTIMIZER_FILE).is_file():
+            self._load_hf_optimizer(path / hf_files.OPTIMIZER_FILE)
+        elif load_optim:
+            raise CheckpointError(f"{path} has no optimizer state (saved with save_only_model); it can seed "
+                                  "a new run's weights but not resume one")
+
+    def _load_hf_optimizer(self, file: Path) -> None:
+        """Hugging Face's `optimizer.pt` (parameters by position), read on every rank and sharded as it loads."""
+        states = self.states()
+        if not hasattr(states, "load_full_optimizer_state"):
+            raise CheckpointError(f"{file} is Hugging Face's optimizer file, which this backend cannot load; "
+                                  "resume it with the FSDP2 backend (fsdp_config without 'xla')")
+        names = {param: clean_name(name) for name, param in self.model.named_parameters()}
+        saved = hf_files.load_tensors(file)
+        states.load_full_optimizer_state(hf_files.optimizer_state_by_name(saved, self.optimizer, names, file))

@@ -88,6 +88,10 @@ class TorchStates:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
+    def load_full_optimizer_state(self, full: dict[str, Any]) -> None:
+        """Load a whole optimizer state keyed by parameter name, given on every rank; each keeps its shard."""
+        set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
+
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The whole model on CPU on rank 0 (empty elsewhere); collective. A tied weight appears once."""
         return full_model_state(self.model, trainable_only=self.trainable_only)

@@ -152,6 +152,10 @@ def check_choices(args: Any) -> None:
     if args.optim not in OPTIMIZERS:
         fail("optim", f"got {args.optim!r}; allowed values: {list(OPTIMIZERS)} (torch's elementwise "
                             "optimizers: a factored or low-bit one would see only its shard of each parameter)")
+    if args.train_sampling_strategy not in ("random", "sequential"):
+        fail("train_sampling_strategy", f"= {args.train_sampling_strategy!r} orders samples by length per process, "
+                                        "so the global batches would depend on the layout; use 'random' or "
+                                        "'sequential' (pack_sequences=True removes the padding instead)")
     for name, allowed in (("eval_strategy", STRATEGIES), ("logging_strategy", STRATEGIES),
                           ("save_strategy", (*STRATEGIES, "best"))):
         setattr(args, name, getattr(getattr(args, name), "value", getattr(args, name)))

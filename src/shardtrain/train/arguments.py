@@ -19,6 +19,9 @@ field shardtrain does not implement either has no effect (one warning names them
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
+import functools
 import json
 import math
 import os
@@ -29,6 +32,7 @@ from functools import cached_property
 from typing import Any
 
 import transformers
+from transformers.trainer_pt_utils import AcceleratorConfig
 
 from shardtrain.config import env
 from shardtrain.config.fsdp_config import FSDPConfig, parse_fsdp_option
@@ -52,6 +56,7 @@ IMPLEMENTED_HF = frozenset({
     "output_dir", "do_train", "do_eval", "do_predict", "per_device_train_batch_size", "per_device_eval_batch_size",
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "optim", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_steps", "num_train_epochs",
+    "train_sampling_strategy",
     "max_grad_norm", "bf16", "fp16", "seed", "data_seed", "logging_strategy", "logging_steps", "logging_first_step",
     "eval_strategy", "eval_steps", "eval_on_start", "prediction_loss_only", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
@@ -291,3 +296,54 @@ IMPLEMENTED = IMPLEMENTED_HF | OURS
 def compatibility_markdown() -> str:
     """The README's table: every Hugging Face TrainingArguments field and ours, with what each does here."""
     return hf_compat.compatibility_table(hf_compat.compatibility_rows(IMPLEMENTED - OURS, OURS, NOTES))
+
+
+@functools.cache
+def arguments_on_engine(arguments_cls: type) -> type:
+    """`arguments_cls` (a `transformers.TrainingArguments` dataclass subclass) with shardtrain's fields and
+    checks; cached per class."""
+    if not (isinstance(arguments_cls, type) and issubclass(arguments_cls, transformers.TrainingArguments)):
+        raise TrainingArgumentsError(
+            f"arguments_on_engine() takes a transformers.TrainingArguments subclass, got {arguments_cls!r}")
+    if issubclass(arguments_cls, TrainingArguments):
+        return arguments_cls
+    if arguments_cls is transformers.TrainingArguments:
+        return TrainingArguments
+    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": arguments_cls.__qualname__,
+                                 "__doc__": arguments_cls.__doc__}
+    return dataclasses.dataclass(type(arguments_cls.__name__, (arguments_cls, TrainingArguments), namespace))
+
+
+def engine_arguments(args: transformers.TrainingArguments) -> TrainingArguments:
+    """`args` as the engine's arguments: itself when it is, else a copy of its fields into
+    `arguments_on_engine(type(args))` (a half-done migration: transformers' `TrainingArguments`, or a library's
+    config such as TRL's `DPOConfig`, handed to shardtrain's Trainer), with one warning saying so."""
+    if isinstance(args, TrainingArguments):
+        return args
+    if not isinstance(args, transformers.TrainingArguments):
+        raise TrainingArgumentsError(f"Trainer(args=...) takes a TrainingArguments, got {type(args).__name__}; "
+                                     "pass shardtrain.TrainingArguments(output_dir=..., ...)")
+    engine_cls = arguments_on_engine(type(args))
+    values = {f.name: _given(args, f) for f in dataclasses.fields(args) if f.init and f.name not in _ALIASES}
+    values = {name: value for name, value in values.items() if value is not _DEFAULT}
+    warnings.warn(f"Trainer got {type(args).__module__}.{type(args).__qualname__}; its fields are taken over into "
+                  f"shardtrain's arguments (the same values). Import TrainingArguments from shardtrain (or use "
+                  f"shardtrain.arguments_on_engine({type(args).__name__})) to silence this", stacklevel=3)
+    return engine_cls(**values)
+
+
+_DEFAULT = object()
+# transformers' deprecated names, which mirror the new ones after __post_init__ (the new names carry the values)
+_ALIASES = frozenset({"gradient_checkpointing", "gradient_checkpointing_kwargs"})
+
+
+def _given(args: transformers.TrainingArguments, spec: dataclasses.Field) -> Any:
+    """The value of field `spec` that `args` was given (enums as their values), or `_DEFAULT` when it holds the
+    field's default, or what transformers' `__post_init__` makes of it."""
+    value = getattr(args, spec.name)
+    default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value == default or (spec.name == "accelerator_config" and value == AcceleratorConfig()):
+        return _DEFAULT
+    return value

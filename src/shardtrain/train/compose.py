@@ -16,7 +16,6 @@ and each rank reads only its shards (`loads_on_meta`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import os
@@ -27,7 +26,7 @@ from typing import Any
 import transformers
 
 from shardtrain.errors import TrainingArgumentsError
-from shardtrain.train.arguments import TrainingArguments
+from shardtrain.train.arguments import arguments_on_engine
 from shardtrain.train.trainer import Trainer
 
 
@@ -76,17 +75,3 @@ def loads_on_meta(model: Any, args: Any, peft_config: Any) -> Iterator[None]:
         yield
     finally:
         args.model_init_kwargs = kwargs
-
-
-@functools.cache
-def arguments_on_engine(arguments_cls: type) -> type:
-    """`arguments_cls` (a `transformers.TrainingArguments` dataclass subclass) with shardtrain's fields and
-    checks; cached per class."""
-    if not (isinstance(arguments_cls, type) and issubclass(arguments_cls, transformers.TrainingArguments)):
-        raise TrainingArgumentsError(
-            f"arguments_on_engine() takes a transformers.TrainingArguments subclass, got {arguments_cls!r}")
-    if issubclass(arguments_cls, TrainingArguments):
-        return arguments_cls
-    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": arguments_cls.__qualname__,
-                                 "__doc__": arguments_cls.__doc__}
-    return dataclasses.dataclass(type(arguments_cls.__name__, (arguments_cls, TrainingArguments), namespace))

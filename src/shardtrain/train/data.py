@@ -1,9 +1,10 @@
 """Resumable distributed batching whose global batches do not depend on how they are split.
 
-Each epoch has one seeded permutation of the dataset. Step `s` uses the contiguous global chunk
-`perm[s*G:(s+1)*G]` (G = per-device batch x accumulation x data-parallel ranks; the context-parallel ranks
-of one group load the same samples and split each sequence); micro-step `m` of that chunk goes to ranks in
-contiguous slices. So 1 rank x 8, 2 ranks x 4 and 2 ranks x 2 x accumulation 2 see the same
+Each epoch has one seeded permutation of the dataset (or the order a sampler gives: an overridden
+`Trainer._get_train_sampler`, `train_sampling_strategy="sequential"`; the same on every rank). Step `s` uses
+the contiguous global chunk `perm[s*G:(s+1)*G]` (G = per-device batch x accumulation x data-parallel ranks;
+the context-parallel ranks of one group load the same samples and split each sequence); micro-step `m` of
+that chunk goes to ranks in contiguous slices. So 1 rank x 8, 2 ranks x 4 and 2 ranks x 2 x accumulation 2 see the same
 samples at every step, and a resume (on any world size with the same G) starts at exactly the next step.
 Nothing is dropped: where the last chunk runs short a rank gets a placeholder sample (index < 0) whose labels
 are all ignored, so every rank runs the same number of forward passes.
@@ -42,7 +43,7 @@ class BatchPlan:
     dp_size: int  # ranks that see different samples (the `batch` mesh); context-parallel ranks share theirs
     dp_rank: int
     seed: int
-    shuffle: bool = True
+    order: EpochOrder | None = None  # the epochs' orders from a sampler; None: a seeded permutation per epoch
 
     @property
     def global_batch_size(self) -> int:
@@ -53,8 +54,8 @@ class BatchPlan:
         return max(1, math.ceil(self.num_samples / self.global_batch_size))
 
     def permutation(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_samples))
+        if self.order is not None:
+            return self.order(epoch)
         gen = torch.Generator().manual_seed(self.seed + epoch)
         return torch.randperm(self.num_samples, generator=gen).tolist()
 
@@ -69,6 +70,28 @@ class BatchPlan:
             out.append(SeededIndices(indices or [-1], seed=derive_seed(self.seed, "train", epoch, step, micro,
                                                                        self.dp_rank)))
         return out
+
+
+class EpochOrder:
+    """The global order of each epoch's samples, drawn from a `Sampler` (Hugging Face's `_get_train_sampler`):
+    one pass over it per epoch, as a DataLoader iterates it again at each epoch. A sampler with `set_epoch` is
+    told the epoch; one that draws from a generator of its own gives the next order at each pass, so the passes
+    are replayed in order (and kept) to reach an epoch again, e.g. after a resume."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self._orders: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __call__(self, epoch: int) -> list[int]:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+            return [int(i) for i in self.sampler]
+        while len(self._orders) <= epoch:
+            self._orders.append([int(i) for i in self.sampler])
+        return self._orders[epoch]
 
 
 def derive_seed(*parts: Any) -> int:

@@ -21,7 +21,6 @@ REFUSED: dict[str, str] = {
     "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
     "auto_find_batch_size": "set per_device_train_batch_size yourself (batches must be equal on every rank)",
     "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
-    "train_sampling_strategy": "samples are shuffled once per epoch ('random' only)",
     "optim_target_modules": "only torch's elementwise optimizers are available",
 }
 
@@ -141,6 +140,8 @@ FIELD_NOTES = {
     "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
     "bf16": "unset: the launcher's mixed precision",
     "save_strategy": "'no', 'steps', 'epoch', 'best'",
+    "train_sampling_strategy": "'random' (a seeded permutation per epoch, the same on any layout) or 'sequential' "
+                               "(the dataset's order); the length-grouping ones are refused",
     "eval_delay": "as Hugging Face (its DefaultFlowCallback): no evaluation before that step (epoch)",
     "use_cpu": "CPU and gloo even when a GPU is visible",
     "activation_checkpointing": "under FSDP: fsdp_config activation_checkpointing; else the model's own",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shardtrain.checkpoint.layout import OPTIMIZER_DIR, PREFIX, SHARDED_DIR
+from shardtrain.checkpoint.layout import PREFIX, SHARDED_DIR
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
 from shardtrain.train.validation import ModelLimits, validate_dataset
@@ -50,9 +50,11 @@ def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart
     if not path.is_dir():
         raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory; pass a "
                               f"checkpoint-<step> directory, True, or 'auto'")
-    if not fsdp_enabled and ((path / SHARDED_DIR).is_dir() or (path / OPTIMIZER_DIR).is_dir()):
-        raise CheckpointError(f"{path} is an FSDP checkpoint but FSDP is off; resume with "
-                              "TrainingArguments(fsdp=True) (and the same fsdp_config)")
+    # a sharded checkpoint stays an FSDP run's (the seeds' rule); full ones (model.safetensors) resume anywhere
+    if not fsdp_enabled and (path / SHARDED_DIR).is_dir():
+        raise CheckpointError(f"{path} is a sharded FSDP checkpoint (SHARDED_STATE_DICT) but FSDP is off; resume "
+                              "with TrainingArguments(fsdp=True) (and the same fsdp_config), or turn it into a "
+                              "full model with `shardtrain merge`")
     return path
 
 

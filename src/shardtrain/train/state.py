@@ -1,8 +1,9 @@
 """Trainer state, control flags and callbacks: transformers' own classes, so callbacks written for Hugging Face's
 Trainer (`EarlyStoppingCallback`, ...) work unchanged; the Trainer's `callback_handler` is transformers' own.
 
-`TrainerState` adds what an exact resume needs (`steps_per_epoch`, `global_batch_size`) to Hugging Face's
-dataclass; `trainer_state.json` is Hugging Face's file with those two keys more.
+`TrainerState` adds what an exact resume needs (the batch plan and the data position) to Hugging Face's dataclass.
+`trainer_state.json` stays Hugging Face's own file (`transformers.TrainerState.load_from_json` reads it); those
+fields go beside it, into `shardtrain_state.json` (`ENGINE_STATE_FILE`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl
 from transformers import TrainerState as _HFTrainerState
 
+from shardtrain.checkpoint.layout import ENGINE_STATE_FILE, STATE_FILE
+
 __all__ = ["TrainerCallback", "TrainerControl", "TrainerState"]
 
 
@@ -28,8 +31,23 @@ class TrainerState(_HFTrainerState):
     data_epoch: int = 0  # where the data stands after global_step: the pass and the steps taken in it
     data_step: int = 0
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
+    @classmethod
+    def engine_fields(cls) -> set[str]:
+        """The fields shardtrain adds to Hugging Face's state (saved in `ENGINE_STATE_FILE`)."""
+        return {f.name for f in dataclasses.fields(cls)} - {f.name for f in dataclasses.fields(_HFTrainerState)}
+
+    def save_to_json(self, json_path: str | Path) -> None:
+        """Hugging Face's `trainer_state.json`: its fields only, as `transformers.TrainerState` writes them."""
+        extra = self.engine_fields()
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in extra}
+        Path(json_path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def save(self, directory: str | Path) -> None:
+        """Write `trainer_state.json` and `shardtrain_state.json` (the engine's fields) into `directory`."""
+        directory = Path(directory)
+        self.save_to_json(directory / STATE_FILE)
+        engine = {name: getattr(self, name) for name in sorted(self.engine_fields())}
+        (directory / ENGINE_STATE_FILE).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:

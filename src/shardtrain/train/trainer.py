@@ -20,6 +20,7 @@ this file longer than the others.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -33,9 +34,9 @@ import numpy as np
 import torch
 import transformers
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler, SequentialSampler, Subset
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
 from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 
@@ -45,21 +46,25 @@ from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import (
+    CheckpointError,
     DataError,
     HubError,
     OutputDirError,
+    TrainerOverrideError,
     TrainingArgumentsError,
     install_error_hook,
 )
 from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.runtime import Runtime
+from shardtrain.parallel.states import TorchStates
 from shardtrain.train.argument_checks import check_compute_metrics
-from shardtrain.train.arguments import TrainingArguments
+from shardtrain.train.arguments import TrainingArguments, engine_arguments
 from shardtrain.train.chunked_loss import resolve_chunk_size
 from shardtrain.train.collation import Collators
 from shardtrain.train.data import BatchPlan, forward_columns
 from shardtrain.train.evaluation import EvalLoop, eval_loader, loader_source
 from shardtrain.train.generation import eval_generator
+from shardtrain.train.hf_methods import REPLACED, owner, replaced_overrides
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
 from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, rank0_trackers
 from shardtrain.train.lora import adapter_files
@@ -125,6 +130,24 @@ class Trainer(transformers.Trainer):
     # Hugging Face's own implementations; they only need is_world_process_zero, args.output_dir and state
     log_metrics, metrics_format, save_metrics = log_metrics, metrics_format, save_metrics
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass (a user's, or a library's through `on_engine`) that overrides a method of Hugging Face's that
+        the engine never calls is refused here, when the class is built (`hf_methods`): honoured or refused,
+        never skipped in silence."""
+        super().__init_subclass__(**kwargs)
+        found = replaced_overrides(cls, engine=Trainer)
+        if found:
+            install_error_hook()
+            name, where = found[0]
+            raise TrainerOverrideError(
+                f"{where}.{name} overrides transformers.Trainer.{name}, which shardtrain's engine never calls (it "
+                f"is replaced by {REPLACED[name]}); remove the override, or move its work to a method the engine "
+                "calls (see the methods table in the README)")
+
+    def _overrides(self, name: str) -> bool:
+        """Whether a subclass (a user's, a library's) defines `name` over shardtrain's and transformers'."""
+        return owner(type(self), name) not in (Trainer, transformers.Trainer)
+
     def __init__(self, model: nn.Module | str | None = None, args: TrainingArguments | None = None,
                  data_collator: Callable | None = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, model_init: Callable[[], nn.Module] | None = None,
@@ -135,7 +158,9 @@ class Trainer(transformers.Trainer):
                  preprocess_logits_for_metrics: Callable | None = None, *, tokenizer: Any = None,
                  peft_config: Any = None) -> None:
         install_error_hook()
-        self.args = args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        # transformers' arguments (or a library's config) handed over as they are: taken over, with a warning
+        args = engine_arguments(args) if args is not None else TrainingArguments(output_dir="trainer_output")
+        self.args = args
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
             os.environ[env.CPU] = env.true_word(True)
         # the run description (arguments, launcher environment, parallel sizes), resolved once, and the runtime
@@ -230,6 +255,10 @@ class Trainer(transformers.Trainer):
         loss; the optimizer step and checkpoint manager follow it. `__init__` calls it, and `train()` with each
         model `model_init` builds."""
         args = self.args
+        # an overridden `_save` (a library's writer) is handed a whole copy of the model on rank 0, built from this
+        # skeleton (the module before sharding, on the meta device) and the gathered weights
+        self._save_skeleton = copy.deepcopy(model).to("meta") \
+            if self._overrides("_save") and isinstance(model, nn.Module) else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
@@ -285,7 +314,8 @@ class Trainer(transformers.Trainer):
                                         state_dict_type=self.args.fsdp_config.state_dict_type,
                                         save_total_limit=self.args.save_total_limit,
                                         frozen_base=self._frozen_base, extra_files=adapter_files(self.model),
-                                        state_access=self.backend.state_access)
+                                        state_access=self.backend.state_access,
+                                        hf_layout=not self.args.fsdp_enabled)
             self._checkpoint_manager = manager
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
@@ -386,25 +416,43 @@ class Trainer(transformers.Trainer):
 
     def _plan(self, data: TrainingData) -> BatchPlan | StreamPlan | LoaderPlan:
         if not self._overrides_train_loader:
-            return data.plan()
+            return self._own_plan(data)
         owner = next(c.__qualname__ for c in type(self).__mro__ if "get_train_dataloader" in vars(c))
         return data.plan(self.get_train_dataloader, owner)
 
+    def _own_plan(self, data: TrainingData) -> BatchPlan | StreamPlan:
+        """The engine's plan over the train dataset, in the order of `_get_train_sampler` when it gives one."""
+        return data.plan(sampler=None if is_stream(self.train_dataset) else self._get_train_sampler(self.train_dataset))
+
     def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
         saved = CheckpointManager.read_state(resume)
-        if saved.get("global_batch_size") != plan.global_batch_size:
+        # transformers' checkpoints hold no batch plan: trusted, as transformers' own resume trusts them
+        if "global_batch_size" in saved and saved["global_batch_size"] != plan.global_batch_size:
             raise TrainingArgumentsError(
                 f"{resume} was trained with a global batch of {saved.get('global_batch_size')} samples, this run "
                 f"has {plan.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps x "
                 "ranks equal to resume exactly")
         fresh = self.state
-        self.state = TrainerState.from_dict(self._checkpoints().load(resume))
+        loaded = self._checkpoints().load(resume)
+        if "global_batch_size" not in loaded:  # transformers': this run's plan, the data position from the step
+            epoch, step = divmod(loaded.get("global_step", 0), plan.steps_per_epoch) if plan.steps_per_epoch else \
+                (0, loaded.get("global_step", 0))
+            loaded.update(steps_per_epoch=plan.steps_per_epoch, global_batch_size=plan.global_batch_size,
+                          data_epoch=epoch, data_step=step)
+        self.state = TrainerState.from_dict(loaded)
         self.state.max_steps = max_steps
         self.state.is_local_process_zero, self.state.is_world_process_zero = \
             fresh.is_local_process_zero, fresh.is_world_process_zero
+        self._load_callback_state()  # Hugging Face's: stateful callbacks (and the control) as saved
+        self._load_optimizer_and_scheduler(str(resume))
         self._saved_step = self.state.global_step  # its checkpoint exists
         if self.rank == 0:
             self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Hugging Face's hook on resume, called with the checkpoint once the checkpoint manager has restored the
+        model, optimizer, scheduler and RNG (so ours loads nothing more): an override (GRPO's) that calls super()
+        and then reads state of its own from `checkpoint` works as under Hugging Face."""
 
     def _checkpoint_and_exit(self, preempted: Preempted) -> None:
         """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""
@@ -642,9 +690,21 @@ class Trainer(transformers.Trainer):
         """Hugging Face's hook (same signature, so a library's override that calls super() works): write
         `checkpoint-<step>` of the Trainer's model, optimizer, scheduler, RNG and state."""
         save = self._checkpoints().save_async if self.args.save_async else self._checkpoints().save
+        self._store_callback_states()
         save(self.state.global_step, self.state, model_only=self.args.save_only_model)  # async: waits for the last
         self._saved_step = self.state.global_step
         self._fire("on_save")
+
+    def _store_callback_states(self) -> None:
+        """Hugging Face's: the state of every `ExportableState` callback (and the control) into
+        `state.stateful_callbacks`, which `trainer_state.json` saves and a resume restores."""
+        for callback in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(callback, ExportableState):
+                name, saved = type(callback).__name__, callback.state()
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(saved)
+                else:
+                    self.state.stateful_callbacks[name] = saved
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record `logs` for this step in `log_history`, metrics.jsonl, TensorBoard and the progress bar."""
@@ -757,7 +817,21 @@ class Trainer(transformers.Trainer):
         if self.train_dataset is None:
             raise DataError("get_train_dataloader() needs a train_dataset")
         data = TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator)
-        return data.loader(data.plan(), epoch=0, start_step=0)
+        return data.loader(self._own_plan(data), epoch=0, start_step=0)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Sampler | None:
+        """Hugging Face's override point: the sampler whose order each epoch's global batches follow (the same
+        on every rank; a library's, e.g. GRPO's repeated prompts, is honoured). None: the engine's seeded
+        permutation per epoch (`train_sampling_strategy="random"`), independent of the layout."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if self.args.train_sampling_strategy == "sequential" and dataset is not None and not is_stream(dataset):
+            return SequentialSampler(dataset)
+        return None
+
+    def _get_eval_sampler(self, eval_dataset: Any) -> Sampler | None:
+        """Hugging Face's override point: the order in which the evaluation set is read (an override's is
+        honoured: the samples are evaluated, and predictions returned, in its order). None: dataset order."""
+        return None
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """This rank's contiguous share of the evaluation set, collated."""
@@ -769,6 +843,10 @@ class Trainer(transformers.Trainer):
     def _share_loader(self, dataset: Any, name: str) -> DataLoader:
         if not is_stream(dataset):
             self._check_eval_dataset(dataset, name)
+            sampler = self._get_eval_sampler(dataset)
+            if sampler is not None:
+                indices = [int(i) for i in sampler]
+                dataset = dataset.select(indices) if hasattr(dataset, "select") else Subset(dataset, indices)
         return eval_loader(dataset, self._eval_collator(), batch_size=self.args.per_device_eval_batch_size,
                            dp_rank=self.dp_rank, dp_size=self.dims.batch_size, seed=self.args.seed)
 
@@ -785,15 +863,42 @@ class Trainer(transformers.Trainer):
         is written by every rank, none holding it whole; adapters, merged adapters, XLA and non-float states are
         gathered on rank 0 (`_gather_on_rank0` forces that path: the benchmark compares the two).
         """
+        if self._overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
+            return self._save_through_override(Path(output_dir or self.args.output_dir))
         return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
                                               processing_class=self.processing_class,
                                               args_json=self.args.to_json_string(), merge_adapters=merge_adapters,
                                               gather_on_rank0=_gather_on_rank0, max_shard_bytes=_max_shard_bytes)
 
+    def _save_through_override(self, output_dir: Path) -> Path:
+        """An overridden `_save(output_dir)`, called as Hugging Face calls it: on rank 0, with `self.model` the
+        whole model (a CPU copy built from the gathered weights; code written for an unsharded model reads whole
+        tensors). Its failure is raised on every rank."""
+        name = f"{owner(type(self), '_save').__qualname__}._save"
+        if self.spec.xla or self._save_skeleton is None:
+            raise TrainingArgumentsError(f"{name} writes a whole model on one process, which the XLA backend (or a "
+                                         "model given by path) does not keep; remove the override to save the "
+                                         "engine's way")
+        full = TorchStates(self.model, None).full_model_state()  # collective: rank 0 holds the model whole
+        problem = None
+        if self.rank == 0:
+            sharded = self.model
+            try:
+                self.model = copy.deepcopy(self._save_skeleton).to_empty(device="cpu")
+                self.model.load_state_dict(full, strict=False)  # tied aliases: the same parameter, loaded once
+                self._save(str(output_dir))
+            except Exception as err:  # every rank raises it below
+                problem = f"{name} failed: {type(err).__name__}: {err}"
+            finally:
+                self.model = sharded
+        del full
+        agree(problem, CheckpointError)
+        return output_dir
+
     def save_state(self) -> None:
         """Write `output_dir/trainer_state.json` (rank 0), as Hugging Face's `save_state`."""
         if self.is_world_process_zero():
-            self.state.save(Path(self.args.output_dir) / "trainer_state.json")
+            self.state.save_to_json(Path(self.args.output_dir) / "trainer_state.json")
 
     def create_model_card(self, model_name: str | None = None, **kwargs: Any) -> None:
         """A short README.md in output_dir: what was trained, how, and the last logged results."""

@@ -23,7 +23,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardtrain.errors import DataError
-from shardtrain.train.data import BatchPlan, CollatingDataset, StepBatchSampler, derive_seed, passthrough
+from shardtrain.train.data import (
+    BatchPlan,
+    CollatingDataset,
+    EpochOrder,
+    StepBatchSampler,
+    derive_seed,
+    passthrough,
+)
 from shardtrain.train.streaming import StreamPlan, is_stream
 from shardtrain.train.user_loader import OVERRIDE_WARNING, LoaderPlan
 from shardtrain.train.validation import agree, over_data_ranks, per_rank
@@ -83,18 +90,20 @@ class TrainingData:
             pin_memory=args.dataloader_pin_memory and device.type == "cuda",
             prefetch_factor=args.dataloader_prefetch_factor, rank=runtime.rank)
 
-    def plan(self, user_loader: Callable[[], Any] | None = None, owner: str = "") -> Plan:
+    def plan(self, user_loader: Callable[[], Any] | None = None, owner: str = "", sampler: Any = None) -> Plan:
         """The plan of the steps: a user's loader's (`user_loader`: an overridden `get_train_dataloader`,
-        defined by the class `owner`; called once), a stream's, or shardtrain's own batch plan."""
+        defined by the class `owner`; called once), a stream's, or shardtrain's own batch plan (over the epochs'
+        orders of `sampler`, Hugging Face's `_get_train_sampler`, when it gives one)."""
         if user_loader is not None:
             return self._user_loader_plan(user_loader, owner)
         if is_stream(self.dataset):
             return StreamPlan(self.dataset, self.collator, self.per_process_batch, self.accumulation_steps,
                               dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.data_seed,
                               global_count=self._global_sample_count)
-        return BatchPlan(num_samples=len(self.dataset), per_device_batch_size=self.per_process_batch,
-                         accumulation_steps=self.accumulation_steps, dp_size=self.dp_size, dp_rank=self.dp_rank,
-                         seed=self.data_seed)
+        order = EpochOrder(sampler) if sampler is not None else None
+        return BatchPlan(num_samples=len(order if order is not None else self.dataset),
+                         per_device_batch_size=self.per_process_batch, accumulation_steps=self.accumulation_steps,
+                         dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.data_seed, order=order)
 
     def loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
         """This rank's micro-batches of `epoch` from `start_step` on, as a DataLoader."""

@@ -1,0 +1,90 @@
+"""Checkpoints move both ways between transformers' Trainer and shardtrain's (`workers/hf_checkpoints.py`).
+
+One full batch of a tiny tied-embedding Llama, 8 steps, a checkpoint every 4. Each trainer runs uninterrupted;
+then each resumes the other's checkpoint-4 (shardtrain also on 2 FSDP ranks) and must end where the trainer that
+wrote the checkpoint ends: weights, and the losses and learning rates of steps 5-8, within 1e-5. A plain run (no
+FSDP) resumes its own checkpoint bit for bit; a full checkpoint of an FSDP run resumes without FSDP.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from launch import python, torchrun
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).parent / "workers" / "hf_checkpoints.py"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hf_checkpoints")
+    python(WORKER, "ours", str(root / "ours"))
+    python(WORKER, "hf", str(root / "hf"))
+    python(WORKER, "ours", str(root / "ours_resumed"), str(root / "ours" / "checkpoint-4"))
+    python(WORKER, "ours", str(root / "ours_from_hf"), str(root / "hf" / "checkpoint-4"))
+    python(WORKER, "hf", str(root / "hf_from_ours"), str(root / "ours" / "checkpoint-4"))
+    torchrun(WORKER, 2, "ours", str(root / "fsdp2_from_hf"), str(root / "hf" / "checkpoint-4"))
+    torchrun(WORKER, 2, "ours", str(root / "fsdp2"))
+    python(WORKER, "ours", str(root / "plain_from_fsdp2"), str(root / "fsdp2" / "checkpoint-4"))
+    return root
+
+
+def result(root: Path, name: str) -> dict:
+    return json.loads((root / name / "result.json").read_text())
+
+
+def weights(root: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(root / name / "final" / "model.safetensors")
+
+
+def assert_ends_alike(root: Path, got: str, reference: str, tol: float) -> None:
+    ours, ref = result(root, got), result(root, reference)
+    assert ours["global_step"] == ref["global_step"] == 8
+    assert ours["steps"] == ref["steps"] == list(range(1, 9))  # the history before the checkpoint came with it
+    assert ours["losses"][4:] == pytest.approx(ref["losses"][4:], abs=tol, rel=0)
+    assert ours["lrs"] == pytest.approx(ref["lrs"], abs=1e-12)  # the scheduler was restored
+    a, b = weights(root, got), weights(root, reference)
+    assert set(a) == set(b)
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= tol, f"{got} vs {reference}: weights differ by {worst}"
+
+
+def test_a_plain_run_writes_hugging_faces_files(runs):
+    names = {p.name for p in (runs / "ours" / "checkpoint-4").iterdir()}
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+            "shardtrain_state.json", "manifest.json"} <= names
+    assert "training_args.bin" not in names and "optimizer" not in names  # no pickle of ours, no DCP directory
+
+
+def test_a_plain_run_resumes_its_own_checkpoint_bit_for_bit(runs):
+    assert_ends_alike(runs, "ours_resumed", "ours", tol=0.0)
+
+
+def test_transformers_checkpoint_resumes_on_one_process(runs):
+    assert_ends_alike(runs, "ours_from_hf", "hf", tol=1e-5)
+
+
+def test_transformers_checkpoint_resumes_on_two_fsdp_ranks(runs):
+    assert_ends_alike(runs, "fsdp2_from_hf", "hf", tol=1e-5)
+
+
+def test_transformers_resumes_a_plain_run_of_ours(runs):
+    assert_ends_alike(runs, "hf_from_ours", "ours", tol=1e-5)
+
+
+def test_a_full_fsdp_checkpoint_resumes_without_fsdp(runs):
+    assert_ends_alike(runs, "plain_from_fsdp2", "fsdp2", tol=1e-5)
+
+
+def test_transformers_reads_every_trainer_state_we_write(runs):
+    states = sorted(runs.glob("*/checkpoint-*/trainer_state.json"))
+    ours = [p for p in states if not p.parent.parent.name.startswith("hf")]
+    assert len(ours) >= 8
+    for path in ours:
+        state = transformers.TrainerState.load_from_json(str(path))
+        engine = json.loads((path.parent / "shardtrain_state.json").read_text())
+        assert state.global_step == int(path.parent.name.split("-")[1])
+        assert engine["global_batch_size"] == 8 and engine["steps_per_epoch"] == 1
