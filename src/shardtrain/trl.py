@@ -7,7 +7,9 @@
 
 Each name is TRL's class composed with shardtrain's (`shardtrain.on_engine` / `arguments_on_engine`): TRL's
 dataset preparation, collators (packing and padding-free included), losses and metrics; shardtrain's training
-loop, FSDP2 sharding (the reference model of DPO included), checkpoints and exact resume. Any other TRL trainer:
+loop, FSDP2 sharding (the reference model of DPO included), checkpoints and exact resume. GRPO and RLOO generate
+with transformers' `generate` under FSDP2 (no vLLM): their prompts are split per process and their loss is their
+own, as under TRL on as many processes (tests/distributed/test_trl_rl.py). Any other TRL trainer:
 `shardtrain.on_engine(trl.XTrainer)` with `shardtrain.arguments_on_engine(trl.XConfig)`.
 """
 
@@ -24,5 +26,14 @@ SFTTrainer = on_engine(_trl.SFTTrainer)
 SFTConfig = arguments_on_engine(_trl.SFTConfig)
 DPOTrainer = on_engine(_trl.DPOTrainer)
 DPOConfig = arguments_on_engine(_trl.DPOConfig)
+GRPOTrainer = on_engine(_trl.GRPOTrainer)
+GRPOConfig = arguments_on_engine(_trl.GRPOConfig)
+RLOOTrainer = on_engine(_trl.RLOOTrainer)
+RLOOConfig = arguments_on_engine(_trl.RLOOConfig)
+KTOTrainer = on_engine(_trl.KTOTrainer)
+KTOConfig = arguments_on_engine(_trl.KTOConfig)
+RewardTrainer = on_engine(_trl.RewardTrainer)
+RewardConfig = arguments_on_engine(_trl.RewardConfig)
 
-__all__ = ["DPOConfig", "DPOTrainer", "SFTConfig", "SFTTrainer"]
+__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "KTOConfig", "KTOTrainer", "RLOOConfig",
+           "RLOOTrainer", "RewardConfig", "RewardTrainer", "SFTConfig", "SFTTrainer"]

@@ -1,6 +1,8 @@
 """sentence-transformers' trainer on shardtrain's engine: the shipped MiniLM with CosineSimilarityLoss on two
 FSDP2 ranks gives, step by step, the losses of sentence-transformers' own trainer on one process (its collator,
-its loss module and its batch order; `workers/sentence_pairs.py`)."""
+its loss module and its batch order; `workers/sentence_pairs.py`). The model `save_model` writes (through
+sentence-transformers' own `_save`, honoured on rank 0) loads with `SentenceTransformer(path)` and embeds as the
+model sentence-transformers' trainer saved."""
 
 from pathlib import Path
 
@@ -15,3 +17,5 @@ def test_two_ranks_equal_sentence_transformers_on_one_process(tmp_path):
     theirs, ours = read_json(tmp_path / "st" / "pairs.json"), read_json(tmp_path / "ours" / "pairs.json")
     assert len(ours["losses"]) == 6 and ours["losses"][-1] < ours["losses"][0]
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-5)
+    assert "modules.json" in ours["saved"] and ours["saved"] == theirs["saved"]
+    assert ours["embeddings"] == pytest.approx(theirs["embeddings"], abs=1e-5)

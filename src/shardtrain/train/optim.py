@@ -78,7 +78,7 @@ def _replication(grad: torch.Tensor, world_size: int) -> int:
     return replicated * (world_size // mesh.size())
 
 
-def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: torch.Tensor, grad_divisor: float,
+def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: torch.Tensor, grad_divisor: float | None,
                              max_norm: float, world_size: int, count_copies: int = 1) -> tuple[torch.Tensor,
                                                                                                 torch.Tensor]:
     """Turn gradients of a token *sum* into gradients of the token *mean*, and clip them, with one all-reduce.
@@ -92,7 +92,8 @@ def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: t
         parameters: the model's parameters.
         local_counts: this rank's counts (float64, on the collective's device); element 0 must be the number
             of target tokens. All elements are summed over ranks.
-        grad_divisor: what the gradients were divided by (backward scale and FSDP's data-parallel average).
+        grad_divisor: what the gradients were divided by (backward scale and FSDP's data-parallel average);
+            None: they are the mean loss's already (only clipped).
         max_norm: clip the gradient norm to this; <= 0: no clipping.
         world_size: ranks in the default process group.
         count_copies: on how many ranks each count is made (tensor-parallel ranks share their batch).
@@ -116,7 +117,7 @@ def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: t
         dist.all_reduce(totals)
     if count_copies > 1:
         totals[1:] /= count_copies
-    to_mean = grad_divisor / totals[1].clamp(min=1)
+    to_mean = grad_divisor / totals[1].clamp(min=1) if grad_divisor is not None else torch.ones_like(totals[1])
     norm = totals[0].sqrt() * to_mean
     factor = to_mean
     if max_norm > 0:

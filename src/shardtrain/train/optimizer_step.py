@@ -7,12 +7,15 @@ optimizer and scheduler step with Hugging Face's callbacks around it.
                       by_samples=False, optimizer=optimizer, scheduler=scheduler, fire=fire)
 
 The loss of a step is the sum over every target token of the global batch (all ranks, all micro-steps) divided
-by the number of those tokens, so a run depends on the global batch only, not on its split.
+by the number of those tokens, so a run depends on the global batch only, not on its split. A library's batches
+that the engine cannot read (`library_batches`: GRPO's and RLOO's prompts, which their `_prepare_inputs` turn into
+generations) carry the library's own loss, normalised as under Hugging Face: each rank's loss, its gradients
+averaged over the ranks (by FSDP, as by DDP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,8 +76,12 @@ class OptimizerStep:
             DataError: on every rank, when the global batch has no target.
         """
         placeholders = placeholders or [False] * len(batches)
+        library = library_batches(batches)
+        # this rank's counts; a library's batches count one per rank (its loss is a mean over the ranks)
+        local = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.runtime.device) if library else \
+            self.loss.local_counts(batches, placeholders, by_samples)
         # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the forward
-        num_items = self.global_items(batches, placeholders, by_samples, step)
+        num_items = self.global_items(local, step, counted=not library)
         loss_sum = torch.zeros((), device=self.runtime.device)
         learning_rate = 0.0
 
@@ -85,7 +92,7 @@ class OptimizerStep:
                 loss = training_step(batch, num_items)
             finally:
                 self.loss.placeholder = False
-            loss_sum += loss.detach().float() * num_items / loss_scale
+            loss_sum += loss.detach().float() * (num_items / loss_scale if num_items is not None else 1)
 
         def optimizer_step() -> None:
             nonlocal learning_rate
@@ -97,30 +104,35 @@ class OptimizerStep:
             optimizer.zero_grad(set_to_none=True)
             self.runtime.backend.step_end()
 
-        # The backward pass needs a scale that is the same on every rank and known without communication:
-        # 1 / step_samples, applied by training_step. The exact 1 / (global target tokens) is applied
-        # afterwards by the runner, whose one all-reduce carries the token counts with the gradient norm.
-        grad_norm, counts = self.runner.run(
-            batches, micro_step, self.loss.local_counts(batches, placeholders, by_samples),
-            step_samples, optimizer_step=optimizer_step,
-            between=lambda: fire("on_substep_end"))
+        # The backward pass needs a scale that is the same on every rank: 1 / step_samples, applied by
+        # training_step. The exact 1 / (global target tokens) is applied afterwards by the runner, whose one
+        # all-reduce carries the gradient norm (and the input tokens, for the state).
+        grad_norm, counts = self.runner.run(batches, micro_step, local, step_samples, optimizer_step=optimizer_step,
+                                            between=lambda: fire("on_substep_end"), mean_grads=library)
         tokens, input_tokens = (int(c) for c in counts.tolist())
         return StepResult(loss_sum=loss_sum, tokens=tokens, input_tokens=input_tokens, grad_norm=grad_norm,
                           learning_rate=learning_rate)
 
-    def global_items(self, batches: list[dict[str, Any]], placeholders: list[bool], by_samples: bool,
-                     step: int) -> torch.Tensor:
-        """The global batch's target tokens (samples: `by_samples`) as int64 on the device, in one small
-        all-reduce that also carries whether any rank was asked to stop (see `run`'s errors)."""
+    def global_items(self, local: torch.Tensor, step: int, counted: bool = True) -> torch.Tensor | None:
+        """The global batch's target tokens (samples, for a loss per sample) from this rank's `local` counts, as
+        int64 on the device, in one small all-reduce that also carries whether any rank was asked to stop (see
+        `run`'s errors); None when the batches are a library's (`counted` False: nothing to count)."""
         device = self.runtime.device
-        header = torch.stack([self.loss.local_counts(batches, placeholders, by_samples)[0],
+        header = torch.stack([local[0],
                               torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=device)])
         self.runtime.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
         counted, stop = header.tolist()  # one device sync for both
         if stop > 0:
             raise Preempted(step)
+        if not counted:
+            return None
         items = round(counted / self.runtime.dims.tp)
         if items == 0:  # every rank knows the global count: all raise together, before a useless update
             raise DataError(f"the global batch of step {step + 1} has no target token (every label is -100); make "
                             "sure each batch has labels to learn from (longer samples, or a larger batch)")
         return torch.tensor(items, dtype=torch.int64, device=device)
+
+
+def library_batches(batches: list[Any]) -> bool:
+    """Whether the micro-batches are a library's that the engine cannot read (not mappings of model inputs)."""
+    return any(not isinstance(batch, Mapping) for batch in batches)

@@ -39,7 +39,7 @@ class StepRunner:
 
     def run(self, batches: list[Any], micro_step: Callable[[int, Any], None], local_counts: torch.Tensor,
             step_samples: int, *, optimizer_step: Callable[[], None],
-            between: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            between: Callable[[], None] | None = None, mean_grads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of every micro-batch, then the gradients of the step's mean loss, clipped, and
         `optimizer_step`.
 
@@ -51,6 +51,7 @@ class StepRunner:
             step_samples: the global batch in samples (the backward scale).
             optimizer_step: steps the optimizer and clears the gradients.
             between: called after each micro-batch but the last.
+            mean_grads: the gradients already hold the step's mean loss (a library's loss, normalised by it).
 
         Returns:
             (gradient norm of the step's mean loss before clipping, the counts summed over the ranks).
@@ -66,7 +67,7 @@ class StepRunner:
             rescale_expert_grads(self.model)
         # FSDP averages gradients over its ranks (replicate x shard x cp); the ranks' token counts add up to the
         # global ones (a context-parallel rank counts the targets of its part of the sequences only)
-        divisor = step_samples * (self.dims.grad_average_size if self.sharded else 1)
+        divisor = None if mean_grads else step_samples * (self.dims.grad_average_size if self.sharded else 1)
         grad_norm, counts = normalize_and_clip_grads(self.model.parameters(), local_counts, divisor,
                                                      self.max_grad_norm, self.dims.world_size,
                                                      count_copies=self.dims.tp)

@@ -26,7 +26,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -498,7 +498,8 @@ class Trainer(transformers.Trainer):
 
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool]) -> StepResult:
         """One optimizer step (`OptimizerStep`): `training_step` on each micro-batch, then clip and step."""
-        batches = [self._model_inputs(b) for b in batches]
+        batches = [self._model_inputs(b) if isinstance(b, Mapping) else b for b in batches]
+        self.current_gradient_accumulation_steps = len(batches)  # Hugging Face's, read by libraries' losses
         self._engine_step_samples = max(self.state.global_batch_size, 1)  # training_step's backward scale
         self._engine_micro_batches = len(batches)
         result = self._engine_step.run(batches, placeholders, step=self.state.global_step,
@@ -555,6 +556,8 @@ class Trainer(transformers.Trainer):
             tokens of the global batch), so the micro-batches of every rank add up to the step's loss.
         """
         model.train()
+        if not isinstance(inputs, Mapping):  # a library's batch (GRPO's prompts): its own inputs and loss
+            return self._library_training_step(model, inputs)
         inputs = self._prepare_inputs(inputs)
         every = self.args.torch_empty_cache_steps
         if every and self.state.global_step % every == 0 and torch.cuda.is_available():
@@ -576,6 +579,19 @@ class Trainer(transformers.Trainer):
         (micro_sum / self._engine_step_samples).backward()
         # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
         return micro_sum.detach() / num_items_in_batch * self._loss_scale
+
+    def _library_training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        """Hugging Face's `training_step` on a batch only the library reads: its `_prepare_inputs` makes the model
+        inputs (GRPO generates), its `compute_loss` the loss, divided by the accumulation steps unless the library
+        did (`loss_is_scaled_for_ga`). This rank's loss is backpropagated as it is; FSDP averages the gradients
+        over the ranks as DDP does under Hugging Face."""
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        if not self.loss_is_scaled_for_ga:
+            loss = loss / self.current_gradient_accumulation_steps
+        loss.backward()
+        return loss.detach()
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[torch.Tensor | None, Any, Any]:

@@ -5,7 +5,8 @@
     python sentence_pairs.py st OUT
     torchrun --nproc_per_node 2 sentence_pairs.py ours OUT
 
-Writes OUT/pairs.json: per-step losses.
+Writes OUT/pairs.json: per-step losses, and the embeddings of a few sentences by the model that
+`trainer.save_model(OUT/saved)` wrote, loaded back with `SentenceTransformer(path)`.
 """
 
 import json
@@ -47,10 +48,14 @@ def main() -> None:
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                                          loss=losses.CosineSimilarityLoss(model))
     trainer.train()
+    trainer.save_model(str(OUT / "saved"))
     if RANK == 0:
         OUT.mkdir(parents=True, exist_ok=True)
         losses_ = [h["loss"] for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
-        (OUT / "pairs.json").write_text(json.dumps({"losses": losses_}))
+        loaded = SentenceTransformer(str(OUT / "saved"), device="cpu")
+        embeddings = loaded.encode(["the cat sat on a mat", "a big red dog ran fast"], convert_to_tensor=True)
+        (OUT / "pairs.json").write_text(json.dumps({"losses": losses_, "embeddings": embeddings.tolist(),
+                                                    "saved": sorted(p.name for p in (OUT / "saved").iterdir())}))
 
 
 if __name__ == "__main__":
