@@ -16,8 +16,8 @@ import random
 import sys
 
 import datasets
-from trl_runs import MODE, OUT, RANK, WORLD, arguments, classes, model, text, tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
+from trl_runs import MODE, OUT, RANK, WORLD, arguments, classes, model, text, tokenizer
 
 CASES = sys.argv[3].split(",")
 GLOBAL = 8  # samples per optimizer step
