@@ -16,7 +16,8 @@ from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import TrainingArgumentsError
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+              "reduce_lr_on_plateau", "greedy")  # the last two step on the evaluation metric, as Hugging Face's
 STRATEGIES = ("no", "steps", "epoch")
 # torch optimizers whose update is elementwise, so a sharded parameter steps exactly as a whole one would
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop")

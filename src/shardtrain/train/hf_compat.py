@@ -136,7 +136,8 @@ FIELD_NOTES = {
     "report_to": "transformers' integrations (wandb, mlflow, trackio, tensorboard, ...), 'all', 'none'; rank 0; "
                  "metrics.jsonl is always written",
     "optim": "'adamw_torch_fused', 'adamw_torch', 'sgd', 'adagrad', 'rmsprop' (Hugging Face's create_optimizer)",
-    "lr_scheduler_type": "transformers' schedulers, except reduce_lr_on_plateau and greedy",
+    "lr_scheduler_type": "transformers' schedulers; reduce_lr_on_plateau and greedy step on metric_for_best_model "
+                         "after each evaluation, as Hugging Face's",
     "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
     "bf16": "unset: the launcher's mixed precision",
     "save_strategy": "'no', 'steps', 'epoch', 'best'",

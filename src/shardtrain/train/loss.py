@@ -193,7 +193,8 @@ class LossComputer:
         """(target tokens or samples, input tokens) of this rank's micro-batches, float64 on the device."""
         placeholders = placeholders or [False] * len(batches)
         targets = sum(self.items(batch, p, by_samples) for batch, p in zip(batches, placeholders, strict=True))
-        inputs = sum(_input_tokens(batch) for batch in batches)
+        # a placeholder stands in for no sample: its tokens are not seen (num_input_tokens_seen)
+        inputs = sum(_input_tokens(batch) for batch, p in zip(batches, placeholders, strict=True) if not p)
         return torch.stack([torch.as_tensor(targets), torch.as_tensor(inputs)]).to(self.device, torch.float64)
 
     def _autocast(self):

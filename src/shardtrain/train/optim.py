@@ -68,6 +68,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, t
                          num_training_steps=total_steps, scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
 
 
+def steps_on_metric(scheduler: Any) -> bool:
+    """Whether `scheduler` steps on an evaluation metric (ReduceLROnPlateau, transformers' GreedyLR), after each
+    evaluation, instead of after each optimizer step (Hugging Face's rule)."""
+    from transformers.optimization import GreedyLR
+
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau | GreedyLR)
+
+
 def _replication(grad: torch.Tensor, world_size: int) -> int:
     """On how many ranks this exact local gradient lives: the DTensor's Replicate dims, times the copies of its
     mesh in the world (an FSDP-only parameter lives on every tensor-parallel rank); plain tensors: all ranks."""

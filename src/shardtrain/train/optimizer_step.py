@@ -24,6 +24,7 @@ import torch
 from shardtrain.errors import DataError
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.loss import LossComputer
+from shardtrain.train.optim import steps_on_metric
 from shardtrain.train.preemption import Preempted, PreemptionHandler
 from shardtrain.train.step_runner import StepRunner
 
@@ -99,8 +100,11 @@ class OptimizerStep:
             fire("on_pre_optimizer_step")
             self.runtime.backend.optimizer_step(optimizer)
             fire("on_optimizer_step")
-            learning_rate = scheduler.get_last_lr()[0]
-            scheduler.step()
+            if steps_on_metric(scheduler):  # it steps after each evaluation (the Trainer's), on the metric
+                learning_rate = optimizer.param_groups[0]["lr"]
+            else:
+                learning_rate = scheduler.get_last_lr()[0]
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             self.runtime.backend.step_end()
 

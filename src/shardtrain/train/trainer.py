@@ -71,7 +71,7 @@ from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer
 from shardtrain.train.model_export import ModelExport, write_model_card
 from shardtrain.train.model_preparation import SIDE_MODELS, ModelPreparation
-from shardtrain.train.optim import build_optimizer, build_scheduler, check_given_optimizer
+from shardtrain.train.optim import build_optimizer, build_scheduler, check_given_optimizer, steps_on_metric
 from shardtrain.train.optimizer_step import OptimizerStep, StepResult
 from shardtrain.train.packing import check_packing
 from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
@@ -693,6 +693,8 @@ class Trainer(transformers.Trainer):
         if self.control.should_evaluate:
             metrics = self.evaluate()
             self._report_to_hp_search(self._trial, step, metrics)  # Hugging Face's: a trial's intermediate value
+            if steps_on_metric(self.lr_scheduler):  # the same metric on every rank (evaluate() agrees on it)
+                self.lr_scheduler.step(best.value(metrics))
             if args.save_strategy == "best":
                 self.control.should_save = best.improves(metrics, self.state.best_metric)
         if self.control.should_save:
