@@ -56,3 +56,12 @@ def test_include_for_metrics_inputs_gives_the_rows_hugging_face_gives(runs):
         assert (got["input_rows"], got["input_tokens"], got["input_sums"]) == \
             (hf["input_rows"], hf["input_tokens"], hf["input_sums"])
     assert one["eval_loss"] == pytest.approx(hf["eval_loss"], abs=1e-5)
+
+
+def test_log_level_and_the_running_training_block_are_hugging_faces(tmp_path):
+    from launch import ours_and_hf_json
+
+    ours, hf = ours_and_hf_json(Path(__file__).parent / "workers" / "log_block.py", tmp_path)
+    assert ours["verbosity"] == hf["verbosity"] == 20  # log_level="info"
+    assert ours["block"] == hf["block"]
+    assert ours["block"][0] == "***** Running training *****" and len(ours["block"]) >= 8

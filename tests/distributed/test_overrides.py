@@ -38,7 +38,7 @@ def test_a_compute_loss_override_shapes_training_and_evaluation_alike(runs):
 def test_the_classes_and_callbacks_are_hugging_faces(runs):
     ours, hf = runs
     assert ours["is_trainer"] and ours["is_arguments"] and ours["has_flow"]
-    assert ours["callbacks"] == ["DefaultFlowCallback", "JsonPrinterCallback"]  # a PrinterCallback (disable_tqdm)
+    assert ours["callbacks"] == ["DefaultFlowCallback", "PrinterCallback"]  # Hugging Face's own (disable_tqdm)
     assert ours["callbacks_after_remove"] == hf["callbacks_after_remove"] == ["DefaultFlowCallback"]
     assert ours["trainable"] == hf["trainable"] > 0
     assert ours["output_dir"].endswith("ours.json.dir")  # TrainingArguments("out") took the positional path

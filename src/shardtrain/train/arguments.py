@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import transformers
 from transformers.trainer_pt_utils import AcceleratorConfig
@@ -56,7 +56,7 @@ IMPLEMENTED_HF = frozenset({
     "output_dir", "do_train", "do_eval", "do_predict", "per_device_train_batch_size", "per_device_eval_batch_size",
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "optim", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_steps", "num_train_epochs",
-    "train_sampling_strategy",
+    "train_sampling_strategy", "log_level", "log_level_replica",
     "max_grad_norm", "bf16", "fp16", "seed", "data_seed", "logging_strategy", "logging_steps", "logging_first_step",
     "eval_strategy", "eval_steps", "eval_on_start", "prediction_loss_only", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
@@ -119,6 +119,15 @@ class TrainingArguments(transformers.TrainingArguments):
         check_conflicts(self)
         self._check_mirrored()
         self._hf_post_init()
+
+    _composed_from: ClassVar[type | None] = None  # the library's class, on a class `arguments_on_engine` built
+
+    def __reduce__(self) -> Any:
+        """A composed class (`arguments_on_engine`) is built at run time, so it pickles as the library's class it
+        was composed from (importable) and unpickles into the engine's again (a library's `torch.save(args)`)."""
+        if type(self)._composed_from is None:
+            return super().__reduce__()
+        return _compose_again, (type(self)._composed_from, dict(self.__dict__))
 
     def _hf_post_init(self) -> None:
         """Hugging Face's `__post_init__` (enums, derived values, accelerator_config, tf32, `self.device`) on the
@@ -310,7 +319,7 @@ def arguments_on_engine(arguments_cls: type) -> type:
     if arguments_cls is transformers.TrainingArguments:
         return TrainingArguments
     namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": arguments_cls.__qualname__,
-                                 "__doc__": arguments_cls.__doc__}
+                                 "__doc__": arguments_cls.__doc__, "_composed_from": arguments_cls}
     return dataclasses.dataclass(type(arguments_cls.__name__, (arguments_cls, TrainingArguments), namespace))
 
 
@@ -347,3 +356,10 @@ def _given(args: transformers.TrainingArguments, spec: dataclasses.Field) -> Any
     if value == default or (spec.name == "accelerator_config" and value == AcceleratorConfig()):
         return _DEFAULT
     return value
+
+
+def _compose_again(arguments_cls: type, state: dict[str, Any]) -> TrainingArguments:
+    """Unpickle arguments of `arguments_on_engine(arguments_cls)` (see `TrainingArguments.__reduce__`)."""
+    args = object.__new__(arguments_on_engine(arguments_cls))
+    args.__dict__.update(state)
+    return args

@@ -1,7 +1,6 @@
-"""Rank-0 reporting: metrics.jsonl and TensorBoard (`MetricsLogger`), and what is shown while training, as the
-progress callback Hugging Face's Trainer adds: `JsonProgressCallback` (a `ProgressCallback`: a bar on a terminal,
-one JSON line per log entry) or, with `disable_tqdm`, `JsonPrinterCallback` (a `PrinterCallback`). Removing
-them with `trainer.remove_callback(ProgressCallback)` silences the display; metrics.jsonl is always written."""
+"""Rank-0 reporting: metrics.jsonl and TensorBoard (`MetricsLogger`). What is shown while training is Hugging
+Face's own `ProgressCallback` (or `PrinterCallback` with `disable_tqdm`), which the Trainer adds as Hugging Face's
+does; `trainer.remove_callback(ProgressCallback)` silences it, and metrics.jsonl is always written."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
-from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback
+from transformers.trainer_callback import TrainerCallback
 
 from shardtrain.errors import TrainingArgumentsError
 
@@ -148,30 +146,3 @@ class MetricsLogger:
 
     def close(self) -> None:
         return None
-
-
-class JsonPrinterCallback(PrinterCallback):
-    """Prints each log entry as one JSON line on the world's process zero."""
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        if state.is_world_process_zero and logs is not None:
-            print(json.dumps(logs), flush=True)
-
-
-class JsonProgressCallback(ProgressCallback):
-    """Hugging Face's progress bars on rank 0 (training; evaluation and prediction, one tick per batch), drawn by
-    tqdm on stderr as for Hugging Face, also when it is not a terminal; each log entry as one JSON line."""
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero:  # a resumed run starts the bar at its step
-            self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True)
-        self.current_step = state.global_step
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        if not state.is_world_process_zero or logs is None:
-            return
-        line = json.dumps(logs)
-        if self.training_bar is not None:
-            self.training_bar.write(line)
-        else:
-            print(line, flush=True)

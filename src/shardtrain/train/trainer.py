@@ -36,7 +36,13 @@ import transformers
 from torch import nn
 from torch.utils.data import DataLoader, Sampler, SequentialSampler, Subset
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
-from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback, ExportableState
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    ExportableState,
+    PrinterCallback,
+    ProgressCallback,
+)
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
 from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
 
@@ -66,7 +72,7 @@ from shardtrain.train.evaluation import EvalLoop, eval_loader, loader_source
 from shardtrain.train.generation import eval_generator
 from shardtrain.train.hf_methods import REPLACED, owner, replaced_overrides
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
-from shardtrain.train.logging import JsonPrinterCallback, JsonProgressCallback, MetricsLogger, rank0_trackers
+from shardtrain.train.logging import MetricsLogger, rank0_trackers
 from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer
 from shardtrain.train.model_export import ModelExport, write_model_card
@@ -161,6 +167,7 @@ class Trainer(transformers.Trainer):
         # transformers' arguments (or a library's config) handed over as they are: taken over, with a warning
         args = engine_arguments(args) if args is not None else TrainingArguments(output_dir="trainer_output")
         self.args = args
+        transformers.utils.logging.set_verbosity(args.get_process_log_level())  # Hugging Face's log_level
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
             os.environ[env.CPU] = env.true_word(True)
         # the run description (arguments, launcher environment, parallel sizes), resolved once, and the runtime
@@ -216,7 +223,7 @@ class Trainer(transformers.Trainer):
         # Hugging Face's default callbacks: DefaultFlowCallback, and the display (a progress bar or a printer)
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model,
                                                 self.processing_class, self.optimizer, self.lr_scheduler)
-        self.add_callback(JsonPrinterCallback if args.disable_tqdm else JsonProgressCallback)
+        self.add_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)  # Hugging Face's own
         for tracker in rank0_trackers(args.report_to, self.rank):
             self.add_callback(tracker)
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
@@ -342,6 +349,7 @@ class Trainer(transformers.Trainer):
             check_stream_arguments(args)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
         self.create_optimizer_and_scheduler(max_steps)
+        self._log_training_plan(plan, max_steps)
         self.state = TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
                                   global_batch_size=plan.global_batch_size, epoch=0.0,
                                   num_train_epochs=math.ceil(max_steps / (plan.steps_per_epoch or max_steps)),
@@ -399,6 +407,23 @@ class Trainer(transformers.Trainer):
         self.logger.draw_report()
         self._fire("on_train_end")
         return TrainOutput(self.state.global_step, window.training_loss, metrics)
+
+    def _log_training_plan(self, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int) -> None:
+        """Hugging Face's "***** Running training *****" block, on its logger (`log_level`)."""
+        from transformers.trainer_pt_utils import get_model_param_count
+
+        log = transformers.utils.logging.get_logger("transformers.trainer")
+        args, steps_per_epoch = self.args, plan.steps_per_epoch
+        log.info("***** Running training *****")
+        if not is_stream(self.train_dataset):
+            log.info(f"  Num examples = {len(self.train_dataset):,}")
+        log.info(f"  Num Epochs = {math.ceil(max_steps / (steps_per_epoch or max_steps)):,}")
+        log.info(f"  Num update steps per epoch = {steps_per_epoch:,}")
+        log.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+        log.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.global_batch_size:,}")
+        log.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+        log.info(f"  Total optimization steps = {max_steps:,}")
+        log.info(f"  Number of trainable parameters = {get_model_param_count(self.model, trainable_only=True):,}")
 
     def _check_datasets(self) -> None:
         """The datasets against the model, before the first step (collective: every rank raises together)."""
