@@ -76,6 +76,10 @@ class TrainerOverrideError(UserError, TypeError):
     """A Trainer subclass overrides a method the engine never calls; the message names the method and the fix."""
 
 
+class NotImplementedArgumentError(TrainingArgumentsError, NotImplementedError):
+    """An argument value Hugging Face's `TrainingArguments` itself refuses as not implemented."""
+
+
 class ChunkedLossError(UserError, ValueError):
     """`loss_chunk_size` asked for chunking on a model (or setup) where the chunked loss would not be exact."""
 

@@ -5,7 +5,7 @@ read here (and written, by a run that shards nothing), so that checkpoints move 
     scheduler.pt         torch.save(lr_scheduler.state_dict())
     rng_state.pth        {"python", "numpy", "cpu"[, "cuda"]}; rng_state_<rank>.pth on several processes
     trainer_state.json   TrainerState.save_to_json (`TrainerState.load_from_json` reads ours too)
-    training_args.bin    a pickle of TrainingArguments: never written, never read
+    training_args.bin    torch.save(args), as transformers writes it: never read (a pickle)
 
 Nothing is unpickled but through `torch.load(weights_only=True)`: tensors, containers and numbers, plus NumPy's
 array type for the RNG file (transformers' own allowlist, `safe_globals`).

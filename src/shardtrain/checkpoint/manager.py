@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from shardtrain.checkpoint import hf_files
 from shardtrain.checkpoint.async_manager import AsyncSaver
@@ -83,20 +84,21 @@ class CheckpointManager:
             passes its own).
         hf_layout: write Hugging Face's optimizer.pt, scheduler.pt and rng_state.pth (a run that shards
             nothing: one plain process), which `transformers.Trainer` resumes.
+        training_args: in Hugging Face's layout, saved as its training_args.bin (written, never read).
     """
 
     def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
                  save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None,
                  extra_files: dict[str, str] | None = None, state_access: type = TorchStates,
-                 hf_layout: bool = False) -> None:
+                 hf_layout: bool = False, training_args: Any = None) -> None:
         self.output_dir = Path(output_dir)
         self.extra_files = dict(extra_files or {})
         self.frozen_base = frozen_base
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state_access = state_access
         self.state_dict_type = "FULL_STATE_DICT" if hf_layout else state_dict_type
-        self.hf_layout = hf_layout
+        self.hf_layout, self.training_args = hf_layout, training_args
         self.save_total_limit = save_total_limit
         self.rank = dist.get_rank()
         self.writes = AtomicWrites(self.output_dir, self.rank)  # the temporary directory, agreement, commit
@@ -196,6 +198,8 @@ class CheckpointManager:
                 (tmp / BASE_FILE).write_text(json.dumps(self.frozen_base, indent=2))
             for name, text in self.extra_files.items():
                 (tmp / name).write_text(text)
+            if self.hf_layout and self.training_args is not None:
+                torch.save(self.training_args, tmp / hf_files.TRAINING_ARGS_FILE)
             if self.scheduler is not None and not model_only and self.hf_layout:
                 torch.save(self.scheduler.state_dict(), tmp / hf_files.SCHEDULER_FILE)
             elif self.scheduler is not None and not model_only:
@@ -406,4 +410,8 @@ class CheckpointManager:
                                   "resume it with the FSDP2 backend (fsdp_config without 'xla')")
         names = {param: clean_name(name) for name, param in self.model.named_parameters()}
         saved = hf_files.load_tensors(file)
-        states.load_full_optimizer_state(hf_files.optimizer_state_by_name(saved, self.optimizer, names, file))
+        by_name = hf_files.optimizer_state_by_name(saved, self.optimizer, names, file)  # checks groups and shapes
+        if any(isinstance(param, DTensor) for param in names):
+            states.load_full_optimizer_state(by_name)  # each rank keeps its shard
+        else:  # an unsharded model: the parameters are Hugging Face's, in the same order
+            self.optimizer.load_state_dict(saved)

@@ -39,9 +39,10 @@ def engine_accelerator(backend: Any, args: Any = None) -> Any:
         return None
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DataLoaderConfiguration
+    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
     loading = DataLoaderConfiguration()
+    accumulation = {}
     config = getattr(args, "accelerator_config", None)
     if config is not None:
         loading = DataLoaderConfiguration(split_batches=config.split_batches, dispatch_batches=config.dispatch_batches,
@@ -49,11 +50,13 @@ def engine_accelerator(backend: Any, args: Any = None) -> Any:
                                           use_seedable_sampler=config.use_seedable_sampler,
                                           non_blocking=config.non_blocking)
         loading.data_seed = args.data_seed
-
+        accumulation = dict(config.gradient_accumulation_kwargs or {})
     # Accelerate's process state is a singleton; one created before the process group existed (TRL's dataset
     # preparation calls PartialState()) says "one process". It is rebuilt on the group shardtrain set up.
     if PartialState._shared_state and PartialState().num_processes != backend.world_size:
         AcceleratorState._reset_state(reset_partial_state=True)
     with _without_accelerate_env():
         return Accelerator(cpu=backend.device.type == "cpu", mixed_precision="no", device_placement=False,
-                           dataloader_config=loading)
+                           dataloader_config=loading,
+                           # as Hugging Face's: the Trainer accumulates, Accelerate's own count stays 1
+                           gradient_accumulation_plugin=GradientAccumulationPlugin(**{**accumulation, "num_steps": 1}))

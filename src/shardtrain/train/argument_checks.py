@@ -248,8 +248,9 @@ def check_conflicts(args: Any) -> None:
     if args.save_strategy == "best" and args.eval_strategy == "no":
         fail("save_strategy", "'best' needs an evaluation: set eval_strategy 'steps' or 'epoch'")
     if args.save_strategy == "best" and args.metric_for_best_model is None and not args.load_best_model_at_end:
-        fail("save_strategy", "'best' needs metric_for_best_model (the metric that decides, e.g. "
-                   "'eval_loss' or 'accuracy'), as in Hugging Face")
+        fail("save_strategy", "'best' needs metric_for_best_model (the metric that decides, e.g. 'eval_loss' or "
+                   "'accuracy'), as in Hugging Face: `args.metric_for_best_model` must be provided when using "
+                   "'best' save_strategy")
     if args.metric_for_best_model is None and args.load_best_model_at_end:
         args.metric_for_best_model = "loss"
     if args.greater_is_better is None and args.metric_for_best_model is not None:

@@ -36,7 +36,13 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 
 from shardtrain.config import env
 from shardtrain.config.fsdp_config import FSDPConfig, parse_fsdp_option
-from shardtrain.errors import FSDPConfigError, TrainingArgumentsError, UserError, install_error_hook
+from shardtrain.errors import (
+    FSDPConfigError,
+    NotImplementedArgumentError,
+    TrainingArgumentsError,
+    UserError,
+    install_error_hook,
+)
 from shardtrain.train import hf_compat
 from shardtrain.train.argument_checks import (  # noqa: F401 (the vocabularies: re-exported)
     COMPILE_MODES,
@@ -56,7 +62,8 @@ IMPLEMENTED_HF = frozenset({
     "output_dir", "do_train", "do_eval", "do_predict", "per_device_train_batch_size", "per_device_eval_batch_size",
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "optim", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_steps", "num_train_epochs",
-    "train_sampling_strategy", "log_level", "log_level_replica",
+    "train_sampling_strategy", "log_level", "log_level_replica", "skip_memory_metrics", "label_names",
+    "auto_find_batch_size",
     "max_grad_norm", "bf16", "fp16", "seed", "data_seed", "logging_strategy", "logging_steps", "logging_first_step",
     "eval_strategy", "eval_steps", "eval_on_start", "prediction_loss_only", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",
@@ -145,7 +152,8 @@ class TrainingArguments(transformers.TrainingArguments):
         except (ValueError, NotImplementedError) as err:
             if isinstance(err, UserError):
                 raise
-            raise TrainingArgumentsError(f"TrainingArguments: {err}") from None
+            kind = NotImplementedArgumentError if isinstance(err, NotImplementedError) else TrainingArgumentsError
+            raise kind(f"TrainingArguments: {err}") from None
         finally:
             for name, value in kept.items():
                 setattr(self, name, value)
@@ -159,6 +167,14 @@ class TrainingArguments(transformers.TrainingArguments):
         # shardtrain's backend owns the process group (no Accelerate PartialState that would create one); the
         # launcher's facts stand in for it
         self.distributed_state = LaunchedProcesses.from_environment()
+        config = self.accelerator_config
+        if isinstance(config, AcceleratorConfig) and config.use_configured_state:
+            from accelerate.state import PartialState
+
+            if PartialState._shared_state == {}:  # Hugging Face's check (the engine itself never reads the state)
+                raise ValueError("Passing `'use_configured_state':True` to the AcceleratorConfig requires a "
+                                 "pre-configured `AcceleratorState` or `PartialState` to be defined before calling "
+                                 "`TrainingArguments`.")
         device = current_device()
         self._n_gpu = 1 if device.type == "cuda" else 0
         return device
@@ -356,6 +372,20 @@ def _given(args: transformers.TrainingArguments, spec: dataclasses.Field) -> Any
     if value == default or (spec.name == "accelerator_config" and value == AcceleratorConfig()):
         return _DEFAULT
     return value
+
+
+def take_accumulation_from_accelerator_config(args: TrainingArguments) -> None:
+    """Hugging Face's rule (its Trainer's, at construction): `accelerator_config.gradient_accumulation_kwargs`'s
+    `num_steps` becomes `gradient_accumulation_steps`, which must then be left at 1."""
+    steps = (args.accelerator_config.gradient_accumulation_kwargs or {}).get("num_steps")
+    if steps is None:
+        return
+    if args.gradient_accumulation_steps > 1:
+        raise TrainingArgumentsError(
+            "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in the "
+            f"passed `TrainingArguments` ({steps} and {args.gradient_accumulation_steps}); set one of them: "
+            "TrainingArguments.gradient_accumulation_steps, or accelerator_config's gradient_accumulation_kwargs")
+    args.gradient_accumulation_steps = int(steps)
 
 
 def _compose_again(arguments_cls: type, state: dict[str, Any]) -> TrainingArguments:

@@ -45,9 +45,13 @@ def _ignored(labels: Any) -> Any:
     return torch.full_like(labels, IGNORE_INDEX) if isinstance(labels, torch.Tensor) else labels
 
 
-def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
+def _stack_padded(rows: list[Any]) -> Any:
+    """The rows stacked into one array, padded with -100 where their lengths differ; rows of several outputs
+    (tuples, Hugging Face's predictions of a model with more than one) stack into a tuple of arrays."""
     if not rows:
         return np.zeros((0,))
+    if isinstance(rows[0], tuple):
+        return tuple(_stack_padded([row[k] for row in rows]) for k in range(len(rows[0])))
     if rows[0].ndim == 0 or all(r.shape == rows[0].shape for r in rows):
         return np.stack(rows)
     longest = max(r.shape[0] for r in rows)
@@ -55,6 +59,11 @@ def _stack_padded(rows: list[np.ndarray]) -> np.ndarray:
     for i, row in enumerate(rows):
         out[i, :row.shape[0]] = row
     return out
+
+
+def _tensors(stacked: Any) -> Any:
+    """Stacked rows as tensors (a tuple of outputs: a tuple of tensors)."""
+    return tuple(torch.as_tensor(part) for part in stacked) if isinstance(stacked, tuple) else torch.as_tensor(stacked)
 
 
 def _rows(indices: list[int], batch: dict, values: torch.Tensor) -> list[np.ndarray]:
@@ -82,7 +91,8 @@ class EvalLoop:
                  on_step: Callable[[int], None] | None = None, prepare: Callable[[dict], dict] | None = None,
                  generate: Callable[[dict], tuple[list, list]] | None = None,
                  prediction_step: Callable[[dict, bool], tuple] | None = None, batch_metrics: bool = False,
-                 keep_predictions: bool = True, inputs_key: str | None = None) -> None:
+                 keep_predictions: bool = True, inputs_key: str | None = None,
+                 label_names: tuple[str, ...] = ("labels",)) -> None:
         self.model, self.loss, self.collator = model, loss, collator
         self.batch_size = per_device_batch_size * runtime.backend.devices_per_process
         self.dp_rank, self.dp_size, self.device = runtime.dp_rank, runtime.dims.batch_size, runtime.device
@@ -100,6 +110,7 @@ class EvalLoop:
         self.batch_metrics, self.keep_predictions = batch_metrics, keep_predictions
         # include_for_metrics ["inputs"]: this batch key's rows go to EvalPrediction.inputs (None: no inputs)
         self.inputs_key = inputs_key
+        self.label_names = label_names  # several: label_ids is a tuple of arrays, as Hugging Face's
         self.rows = 0  # real rows this rank evaluated
 
     def evaluate(self, source: Any, prefix: str, compute_metrics: Callable | None,
@@ -293,9 +304,9 @@ class EvalLoop:
         step_inputs = [row for *_, rank_inputs in gathered for row in rank_inputs]
         if not step_preds or not step_labels:
             return None
-        return compute_metrics(EvalPrediction(predictions=torch.as_tensor(_stack_padded(step_preds)),
-                                              label_ids=torch.as_tensor(_stack_padded(step_labels)),
-                                              inputs=torch.as_tensor(_stack_padded(step_inputs))
+        return compute_metrics(EvalPrediction(predictions=_tensors(_stack_padded(step_preds)),
+                                              label_ids=_tensors(_stack_padded(step_labels)),
+                                              inputs=_tensors(_stack_padded(step_inputs))
                                               if self.inputs_key is not None else None),
                                compute_result=last)
 
@@ -306,21 +317,31 @@ class EvalLoop:
                 preds.append(np.asarray(generated[row], dtype=np.int64))
                 labels.append(np.asarray(answers[row], dtype=np.int64))
 
-    def _collect(self, indices: list[int], batch: dict, logits: torch.Tensor, preds: list, labels: list) -> None:
-        batch_labels = batch.get("labels")
-        per_token = logits.dim() > 2 and "attention_mask" in batch  # (batch, tokens, ...): cut off the padding
+    def _collect(self, indices: list[int], batch: dict, logits: Any, preds: list, labels: list) -> None:
+        """This batch's real rows of `logits` (a tensor, or a tuple of them: one per output) and of its labels
+        (a tuple when there are several `label_names`), padding cut off per-token rows."""
+        names = [name for name in self.label_names if batch.get(name) is not None]
+        batch_labels = (batch[names[0]] if len(names) == 1 else tuple(batch[n] for n in names)) if names else None
+        first = logits[0] if isinstance(logits, tuple) else logits
+        per_token = first.dim() > 2 and "attention_mask" in batch  # (batch, tokens, ...): cut off the padding
         if self.preprocess is not None:
             logits = self.preprocess(logits, batch_labels)
-        logits = (logits.float() if logits.is_floating_point() else logits).cpu().numpy()
-        batch_labels = batch_labels.cpu().numpy() if batch_labels is not None else None
+
+        def rows(values: Any) -> Any:  # per row: an array, or a tuple of arrays
+            if isinstance(values, tuple | list):
+                return list(zip(*(rows(v) for v in values), strict=True))
+            values = (values.float() if values.is_floating_point() else values).cpu().numpy()
+            return [values[row, :lengths[row]] if lengths is not None else values[row] for row in range(len(values))]
+
         lengths = batch["attention_mask"].sum(-1).tolist() if per_token else None
+        pred_rows = rows(logits)
+        label_rows = rows(batch_labels) if batch_labels is not None else None
         for row, index in enumerate(indices):
             if index < 0:
                 continue
-            end = lengths[row] if lengths is not None else None
-            preds.append(logits[row, :end] if end is not None else logits[row])
-            if batch_labels is not None:
-                labels.append(batch_labels[row, :end] if end is not None else batch_labels[row])
+            preds.append(pred_rows[row])
+            if label_rows is not None:
+                labels.append(label_rows[row])
 
 
 SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks

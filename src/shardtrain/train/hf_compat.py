@@ -19,7 +19,6 @@ import transformers
 REFUSED: dict[str, str] = {
     "deepspeed": "shardtrain shards with FSDP2; drop --deepspeed and use --fsdp / fsdp_config",
     "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
-    "auto_find_batch_size": "set per_device_train_batch_size yourself (batches must be equal on every rank)",
     "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
     "optim_target_modules": "only torch's elementwise optimizers are available",
 }
@@ -29,13 +28,11 @@ NO_EFFECT: dict[str, str] = {
     "local_rank": "set by launchers; shardtrain reads RANK / LOCAL_RANK from torchrun",
     "eval_do_concat_batches": "evaluation predictions are always concatenated",
     "include_num_input_tokens_seen": "always tracked (TrainerState.num_input_tokens_seen)",
-    "skip_memory_metrics": "peak memory per rank is always logged",
     "full_determinism": "CPU runs are deterministic; resume is bit-identical by construction",
     "save_on_each_node": "rank 0 writes shared files once (multi-node needs a shared filesystem)",
     "log_on_each_node": "rank 0 logs",
     "use_liger_kernel": "the model runs as built; liger kernels are not applied",
     "eval_use_gather_object": "predictions are always gathered as arrays",
-    "label_names": "labels are read from 'labels' ('label' and 'label_ids' are renamed to it)",
     "dataloader_persistent_workers": "the DataLoader is rebuilt once per epoch",
     "eval_accumulation_steps": "predictions move to host memory after every batch (device memory stays bounded)",
 }
@@ -141,6 +138,11 @@ FIELD_NOTES = {
     "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
     "bf16": "unset: the launcher's mixed precision",
     "save_strategy": "'no', 'steps', 'epoch', 'best'",
+    "auto_find_batch_size": "on out of memory: the per-device batch halved and the accumulation steps doubled, so "
+                            "the global batch and the losses stay the same (Hugging Face changes the global batch)",
+    "label_names": "the batch keys evaluation returns as label_ids (several: a tuple), as Hugging Face; the loss is "
+                   "the model's for names other than 'labels'",
+    "skip_memory_metrics": "False: Hugging Face's memory metrics (per stage); peak memory per rank is always logged",
     "train_sampling_strategy": "'random' (a seeded permutation per epoch, the same on any layout) or 'sequential' "
                                "(the dataset's order); the length-grouping ones are refused",
     "eval_delay": "as Hugging Face (its DefaultFlowCallback): no evaluation before that step (epoch)",

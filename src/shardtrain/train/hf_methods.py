@@ -60,7 +60,6 @@ REPLACED: dict[str, str] = {
     "_get_num_items_in_batch": "the engine counts the global batch's target tokens itself",
     "_maybe_log_save_evaluate": "the engine's log/evaluate/save step (DefaultFlowCallback's flags); override log, "
                                 "or add a TrainerCallback",
-    "_evaluate": "the engine calls evaluate(); override evaluate or evaluation_loop",
     "_determine_best_metric": "the engine's best-metric rule (metric_for_best_model, greater_is_better)",
     "_clip_grad_norm": "the engine clips the global gradient norm (max_grad_norm)",
     "_get_grad_norm": "the engine clips the global gradient norm (max_grad_norm)",

@@ -80,6 +80,10 @@ def tracker_callbacks(report_to: list[str]) -> list[TrainerCallback]:
     return callbacks
 
 
+# what a log entry measures rather than computes (it differs between two runs of the same job)
+MEASURED_KEYS = frozenset({"tokens_per_second", "peak_memory_mb", "peak_memory_mb_per_rank", "memory_kind"})
+
+
 class MetricsLogger:
     """Writes every log entry to `output_dir/metrics.jsonl` on rank 0 (trackers are transformers' integration
     callbacks: `tracker_callbacks`), and measures tokens per second."""

@@ -54,8 +54,9 @@ def _loss_and_logits(outputs) -> tuple[torch.Tensor | None, torch.Tensor | None]
         if logits is None:  # the first other tensor (e.g. a regression head's "predictions")
             logits = next((v for k, v in outputs.items() if k != "loss" and isinstance(v, torch.Tensor)), None)
         return outputs.get("loss"), logits
-    if isinstance(outputs, tuple | list):
-        return (outputs[0] if outputs else None), (outputs[1] if len(outputs) > 1 else None)
+    if isinstance(outputs, tuple | list):  # (loss, prediction, ...): several predictions make a tuple, as in HF
+        rest = tuple(outputs[1:])
+        return (outputs[0] if outputs else None), (rest[0] if len(rest) == 1 else rest or None)
     if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
         return outputs, None
     return getattr(outputs, "loss", None), getattr(outputs, "logits", None)
@@ -285,9 +286,14 @@ class LossComputer:
         return {**batch, "labels": labels}
 
     def logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """The model's logits for a batch without labels (prediction)."""
+        """The model's logits for a batch without labels (prediction); a tuple output of several tensors gives
+        them all, as Hugging Face's predictions."""
         with self._autocast():
-            return _logits(self.model(**batch))
+            outputs = self.model(**batch)
+        if isinstance(outputs, tuple | list) and len(outputs) > 1 and \
+                all(isinstance(v, torch.Tensor) for v in outputs):
+            return tuple(outputs)
+        return _logits(outputs)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.forward(batch)[0]

@@ -48,8 +48,8 @@ def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart
                               "none, or pass a path")
     path = Path(resume)
     if not path.is_dir():
-        raise CheckpointError(f"resume_from_checkpoint={str(resume)!r} is not a directory; pass a "
-                              f"checkpoint-<step> directory, True, or 'auto'")
+        raise CheckpointError(f"Can't find a valid checkpoint at {resume}: resume_from_checkpoint={str(resume)!r} is "
+                              "not a directory; pass a checkpoint-<step> directory, True, or 'auto'")
     # a sharded checkpoint stays an FSDP run's (the seeds' rule); full ones (model.safetensors) resume anywhere
     if not fsdp_enabled and (path / SHARDED_DIR).is_dir():
         raise CheckpointError(f"{path} is a sharded FSDP checkpoint (SHARDED_STATE_DICT) but FSDP is off; resume "

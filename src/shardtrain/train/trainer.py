@@ -26,6 +26,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,14 @@ from transformers.trainer_callback import (
     ProgressCallback,
 )
 from transformers.trainer_pt_utils import log_metrics, metrics_format, save_metrics
-from transformers.trainer_utils import EvalLoopOutput, PredictionOutput, TrainOutput, speed_metrics
+from transformers.trainer_utils import (
+    EvalLoopOutput,
+    PredictionOutput,
+    TrainerMemoryTracker,
+    TrainOutput,
+    compare_trainer_and_checkpoint_args,
+    speed_metrics,
+)
 
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES
 from shardtrain.checkpoint.layout import PREFIX
@@ -61,10 +69,16 @@ from shardtrain.errors import (
     install_error_hook,
 )
 from shardtrain.parallel.accelerate_bridge import engine_accelerator
+from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.parallel.states import TorchStates
 from shardtrain.train.argument_checks import check_compute_metrics
-from shardtrain.train.arguments import TrainingArguments, engine_arguments
+from shardtrain.train.arguments import (
+    TrainingArguments,
+    engine_arguments,
+    take_accumulation_from_accelerator_config,
+)
+from shardtrain.train.batch_finder import out_of_memory, smaller_batch
 from shardtrain.train.chunked_loss import resolve_chunk_size
 from shardtrain.train.collation import Collators
 from shardtrain.train.data import BatchPlan, forward_columns
@@ -72,7 +86,7 @@ from shardtrain.train.evaluation import EvalLoop, eval_loader, loader_source
 from shardtrain.train.generation import eval_generator
 from shardtrain.train.hf_methods import REPLACED, owner, replaced_overrides
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
-from shardtrain.train.logging import MetricsLogger, rank0_trackers
+from shardtrain.train.logging import MEASURED_KEYS, MetricsLogger, rank0_trackers
 from shardtrain.train.lora import adapter_files
 from shardtrain.train.loss import LossComputer
 from shardtrain.train.model_export import ModelExport, write_model_card
@@ -167,6 +181,10 @@ class Trainer(transformers.Trainer):
         # transformers' arguments (or a library's config) handed over as they are: taken over, with a warning
         args = engine_arguments(args) if args is not None else TrainingArguments(output_dir="trainer_output")
         self.args = args
+        # Hugging Face's memory metrics (skip_memory_metrics=False): per stage, named after the calling method
+        self._memory_tracker = TrainerMemoryTracker(args.skip_memory_metrics)
+        self._memory_tracker.start()
+        take_accumulation_from_accelerator_config(args)
         transformers.utils.logging.set_verbosity(args.get_process_log_level())  # Hugging Face's log_level
         if args.use_cpu:  # the device choice is read from the launcher's variable (also by DataLoader workers)
             os.environ[env.CPU] = env.true_word(True)
@@ -236,6 +254,7 @@ class Trainer(transformers.Trainer):
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         self._set_hf_attributes()
         self._fire("on_init_end")
+        self._memory_tracker.stop_and_update_metrics()
 
     def _set_hf_attributes(self) -> None:
         """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
@@ -270,10 +289,16 @@ class Trainer(transformers.Trainer):
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
         chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
                                    device_type=self.device.type)
+        smoothing = args.label_smoothing_factor
+        if smoothing and getattr(getattr(self.model, "config", None), "problem_type", None) == \
+                "multi_label_classification":  # Hugging Face's rule and warning
+            warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling label "
+                          "smoothing for this training run.", UserWarning, stacklevel=3)
+            smoothing = 0.0
         self.loss_computer = LossComputer(self.model, self.device,
                                           bf16_autocast=args.bf16 and not args.fsdp_enabled, chunk_size=chunk,
-                                          label_smoothing=args.label_smoothing_factor)
-        if args.label_smoothing_factor and self.loss_computer.kind == "model":
+                                          label_smoothing=smoothing)
+        if smoothing and self.loss_computer.kind == "model":
             raise TrainingArgumentsError(
                 f"TrainingArguments.label_smoothing_factor = {args.label_smoothing_factor} with "
                 f"{type(self.model).__name__}, which is trained on its own loss (not a cross entropy shardtrain "
@@ -322,7 +347,7 @@ class Trainer(transformers.Trainer):
                                         save_total_limit=self.args.save_total_limit,
                                         frozen_base=self._frozen_base, extra_files=adapter_files(self.model),
                                         state_access=self.backend.state_access,
-                                        hf_layout=not self.args.fsdp_enabled)
+                                        hf_layout=not self.args.fsdp_enabled, training_args=self.args)
             self._checkpoint_manager = manager
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
         return manager
@@ -331,6 +356,7 @@ class Trainer(transformers.Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> TrainOutput:
         """Run the training loop; returns `TrainOutput(global_step, training_loss, metrics)`."""
+        self._memory_tracker.start()
         args = self.args
         if self.model_init is not None:
             self._reinit_model(trial)
@@ -343,22 +369,31 @@ class Trainer(transformers.Trainer):
                                 restart_count=self.spec.restart_count, fsdp_enabled=args.fsdp_enabled,
                                 rank=self.rank, broadcast=lambda t: self.backend.broadcast(t, src=0),
                                 device=self.device)
-        data = TrainingData.of(args, self.runtime, self.train_dataset, self.data_collator)
+        configured = args.per_device_train_batch_size  # (a trial of hyperparameter_search may have changed it)
+        if not args.auto_find_batch_size or configured % self._train_batch_size:
+            self._train_batch_size = configured
+        if resume is not None and args.auto_find_batch_size:  # the batch the checkpointed run had come down to
+            saved = CheckpointManager.read_state(resume).get("train_batch_size") or configured
+            self._train_batch_size = saved if configured % saved == 0 else configured
+        data = self._training_data()
         plan = self._plan(data)
         if isinstance(plan, StreamPlan):
             check_stream_arguments(args)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
         self.create_optimizer_and_scheduler(max_steps)
         self._log_training_plan(plan, max_steps)
+        self._engine_ignore_keys = ignore_keys_for_eval
         self.state = TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
                                   global_batch_size=plan.global_batch_size, epoch=0.0,
                                   num_train_epochs=math.ceil(max_steps / (plan.steps_per_epoch or max_steps)),
-                                  train_batch_size=args.per_device_train_batch_size,
+                                  train_batch_size=self._train_batch_size,
                                   logging_steps=args.interval("logging_steps", max_steps),
                                   eval_steps=args.interval("eval_steps", max_steps),
                                   save_steps=args.interval("save_steps", max_steps),
                                   is_local_process_zero=args.local_process_index == 0,
-                                  is_world_process_zero=self.rank == 0, total_flos=0.0)
+                                  is_world_process_zero=self.rank == 0, total_flos=0.0,
+                                  stateful_callbacks=[cb for cb in [*self.callback_handler.callbacks, self.control]
+                                                      if isinstance(cb, ExportableState)])
         if resume is not None:
             self._load_for_resume(resume, plan, max_steps)
         # this run's step (its max_grad_norm may be a trial's)
@@ -403,6 +438,7 @@ class Trainer(transformers.Trainer):
         steps = self.state.global_step - start_step
         metrics = speed_metrics("train", start_time, num_samples=steps * plan.global_batch_size, num_steps=steps)
         metrics.update(total_flos=self.state.total_flos, train_loss=window.training_loss, epoch=self.state.epoch)
+        self._memory_tracker.stop_and_update_metrics(metrics)
         self.log(dict(metrics))
         self.logger.draw_report()
         self._fire("on_train_end")
@@ -451,15 +487,19 @@ class Trainer(transformers.Trainer):
 
     def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
         saved = CheckpointManager.read_state(resume)
-        # transformers' checkpoints hold no batch plan: trusted, as transformers' own resume trusts them
-        if "global_batch_size" in saved and saved["global_batch_size"] != plan.global_batch_size:
-            raise TrainingArgumentsError(
-                f"{resume} was trained with a global batch of {saved.get('global_batch_size')} samples, this run "
-                f"has {plan.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps x "
-                "ranks equal to resume exactly")
+        if self.rank == 0:  # Hugging Face's warning on logging/eval/save steps and batch sizes that changed
+            compare_trainer_and_checkpoint_args(self.args, TrainerState.from_dict(saved))
+        # a transformers checkpoint holds no batch plan; one of another global batch goes on with this run's plan,
+        # as transformers' Trainer goes on, with a warning that it no longer equals an uninterrupted run
+        same_plan = saved.get("global_batch_size") == plan.global_batch_size
+        if "global_batch_size" in saved and not same_plan and self.rank == 0:
+            warnings.warn(f"{resume} was trained with a global batch of {saved['global_batch_size']} samples, this "
+                          f"run has {plan.global_batch_size}: it goes on from step {saved.get('global_step')} with the "
+                          "new batch, so it no longer equals an uninterrupted run; keep per_device_train_batch_size x "
+                          "gradient_accumulation_steps x ranks equal to resume exactly", stacklevel=2)
         fresh = self.state
         loaded = self._checkpoints().load(resume)
-        if "global_batch_size" not in loaded:  # transformers': this run's plan, the data position from the step
+        if not same_plan:  # this run's plan, the data position from the step
             epoch, step = divmod(loaded.get("global_step", 0), plan.steps_per_epoch) if plan.steps_per_epoch else \
                 (0, loaded.get("global_step", 0))
             loaded.update(steps_per_epoch=plan.steps_per_epoch, global_batch_size=plan.global_batch_size,
@@ -499,15 +539,23 @@ class Trainer(transformers.Trainer):
             self.control.should_epoch_stop = False
             self._fire("on_epoch_begin")
             for step, (batches, placeholders) in enumerate(data.epoch_steps(plan, epoch, start), start):
-                self._fire("on_step_begin")
-                last = self._optimizer_step(batches, placeholders)
-                self.state.global_step += 1
-                self.state.data_epoch, self.state.data_step = epoch, step + 1
-                self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
-                    float(epoch)  # a stream: the passes completed
-                window.add(last.loss_sum, last.tokens)
-                self.logger.step_done(self.state.num_input_tokens_seen)
-                self._fire("on_step_end")
+                try:
+                    self._fire("on_step_begin")
+                    last = self._optimizer_step(batches, placeholders)
+                    self.state.global_step += 1
+                    self.state.data_epoch, self.state.data_step = epoch, step + 1
+                    self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
+                        float(epoch)  # a stream: the passes completed
+                    window.add(last.loss_sum, last.tokens)
+                    self.logger.step_done(self.state.num_input_tokens_seen)
+                    self._fire("on_step_end")
+                except Exception as err:
+                    if not (self.args.auto_find_batch_size and out_of_memory(err)) or isinstance(plan, LoaderPlan):
+                        raise
+                    self._shrink_batch(err)  # the same step again (or, after it, the next), with smaller parts
+                    data = self._training_data()
+                    plan = self._plan(data)
+                    break
                 self._maybe_log_evaluate_save(window, last)
                 if self.state.global_step >= max_steps or self.control.should_training_stop or \
                         self.control.should_epoch_stop:
@@ -520,6 +568,27 @@ class Trainer(transformers.Trainer):
             self._maybe_log_evaluate_save(window, last)  # what on_epoch_end asked for (epoch strategies)
         if window:  # steps after the last log entry: in train_loss, as under Hugging Face
             window.fold()
+
+    def _training_data(self) -> TrainingData:
+        """The training batches' part, at the per-device batch `auto_find_batch_size` came down to."""
+        return TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator,
+                               per_device=self._train_batch_size)
+
+    def _shrink_batch(self, err: BaseException) -> None:
+        """`auto_find_batch_size`: a step ran out of memory; cut the per-device batch and grow the accumulation
+        steps by the same factor (`batch_finder`), every rank alike, so the global batch stays the same."""
+        configured = self.args.per_device_train_batch_size
+        smaller = smaller_batch(self._train_batch_size, configured)
+        self.optimizer.zero_grad(set_to_none=True)  # whatever the failed step had accumulated
+        self.backend.step_end()
+        if self.backend.is_sharded(self.model):
+            reshard_all(self.model)
+        if self.rank == 0:
+            print(f"warning: auto_find_batch_size: step {self.state.global_step + 1} ran out of memory with "
+                  f"{self._train_batch_size} samples per device ({type(err).__name__}); going on with {smaller} x "
+                  f"{self.args.gradient_accumulation_steps * configured // smaller} accumulation steps, the same "
+                  "global batch", file=sys.stderr, flush=True)
+        self._train_batch_size = self.state.train_batch_size = smaller
 
     def _optimizer_step(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool]) -> StepResult:
         """One optimizer step (`OptimizerStep`): `training_step` on each micro-batch, then clip and step."""
@@ -635,13 +704,15 @@ class Trainer(transformers.Trainer):
                     logits = outputs.get("logits") if "logits" not in ignore else None
                     if logits is None:
                         logits = next((v for k, v in outputs.items() if k not in ignore), None)
-                else:
-                    logits = outputs[1] if isinstance(outputs, tuple | list) and len(outputs) > 1 else None
+                else:  # (loss, prediction, ...): several predictions make a tuple, as Hugging Face's
+                    rest = tuple(outputs[1:]) if isinstance(outputs, tuple | list) else ()
+                    logits = rest[0] if len(rest) == 1 else (rest or None)
             else:
                 loss, logits = None, self.loss_computer.logits(inputs)
         if prediction_loss_only:
             return loss, None, None
-        return loss, logits, inputs.get("labels") if has_labels else None
+        labels = tuple(inputs[name] for name in self.label_names) if has_labels else None
+        return loss, logits, (labels[0] if labels is not None and len(labels) == 1 else labels)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Hugging Face's hook: the batch as the model gets it (on the device); called by `training_step` and
@@ -716,10 +787,7 @@ class Trainer(transformers.Trainer):
             self.log(logs)
         metrics = None
         if self.control.should_evaluate:
-            metrics = self.evaluate()
-            self._report_to_hp_search(self._trial, step, metrics)  # Hugging Face's: a trial's intermediate value
-            if steps_on_metric(self.lr_scheduler):  # the same metric on every rank (evaluate() agrees on it)
-                self.lr_scheduler.step(best.value(metrics))
+            metrics = self._evaluate(self._trial, self._engine_ignore_keys)
             if args.save_strategy == "best":
                 self.control.should_save = best.improves(metrics, self.state.best_metric)
         if self.control.should_save:
@@ -728,6 +796,15 @@ class Trainer(transformers.Trainer):
             self._save_checkpoint(self.model, self._trial)
         elif metrics is not None:
             best.record(self.state, metrics)
+
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
+        """Hugging Face's: evaluate during training, report a trial's objective, and step a scheduler that steps on
+        the metric (the same on every rank: evaluate() agrees on it)."""
+        metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+        self._report_to_hp_search(trial, self.state.global_step, metrics)  # a trial's intermediate value
+        if steps_on_metric(self.lr_scheduler) and not skip_scheduler:
+            self.lr_scheduler.step(BestMetric.of(self.args).value(metrics))
+        return metrics
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Hugging Face's hook (same signature, so a library's override that calls super() works): write
@@ -750,9 +827,11 @@ class Trainer(transformers.Trainer):
                     self.state.stateful_callbacks[name] = saved
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Record `logs` for this step in `log_history`, metrics.jsonl, TensorBoard and the progress bar."""
+        """Record `logs` for this step in `log_history`, metrics.jsonl, the trackers and the progress bar.
+        `log_history` (saved in trainer_state.json) keeps Hugging Face's keys: the measured throughput and memory,
+        which differ from run to run, go to metrics.jsonl and the trackers only."""
         entry = {**logs, "epoch": round(self.state.epoch or 0.0, 4), "step": self.state.global_step}
-        self.state.log_history.append(entry)
+        self.state.log_history.append({k: v for k, v in entry.items() if k not in MEASURED_KEYS})
         self.logger.log(entry)
         self._fire("on_log", logs=entry)
 
@@ -770,19 +849,23 @@ class Trainer(transformers.Trainer):
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss averaged over every eval token on every rank, `compute_metrics`, and speed; logged. As Hugging
         Face: `get_eval_dataloader(eval_dataset)`, then `evaluation_loop` (each an override point)."""
+        self._memory_tracker.start()
         loader = self.get_eval_dataloader(eval_dataset)
         output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None
                                       else None, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self.log(output.metrics)
         self._fire("on_evaluate", metrics=output.metrics)
+        self._memory_tracker.stop_and_update_metrics(output.metrics)
         return output.metrics
 
     def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (and labels, loss and metrics when the data has labels) on every rank, in dataset order."""
+        self._memory_tracker.start()
         output = self.evaluation_loop(self.get_test_dataloader(test_dataset), "Prediction", ignore_keys=ignore_keys,
                                       metric_key_prefix=metric_key_prefix)
         self._fire("on_predict", metrics=output.metrics)
+        self._memory_tracker.stop_and_update_metrics(output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
     def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
@@ -817,7 +900,8 @@ class Trainer(transformers.Trainer):
                         prediction_step=user_step, batch_metrics=args.batch_eval_metrics,
                         keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
                         inputs_key=getattr(self.model, "main_input_name", "input_ids")
-                        if "inputs" in (args.include_for_metrics or []) else None)
+                        if "inputs" in (args.include_for_metrics or []) else None,
+                        label_names=tuple(self.label_names))
         output, samples = loop.evaluate(source, metric_key_prefix, self.compute_metrics, not loss_only)
         if self.state.epoch is not None and metric_key_prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
@@ -839,9 +923,9 @@ class Trainer(transformers.Trainer):
 
         def step(inputs: dict, loss_only: bool) -> tuple:
             loss, logits, labels = self.prediction_step(self.model, inputs, loss_only, ignore_keys)
-            if isinstance(logits, tuple | list):  # several outputs: the first is the predictions
-                logits = logits[0] if logits else None
-            return loss, logits, labels
+            if isinstance(logits, list):
+                logits = tuple(logits)
+            return loss, (logits or None) if isinstance(logits, tuple) else logits, labels
         return step
 
     def _eval_collator(self) -> Callable:
@@ -859,7 +943,7 @@ class Trainer(transformers.Trainer):
         """This rank's micro-batches of the first epoch, exactly as `train()` draws them."""
         if self.train_dataset is None:
             raise DataError("get_train_dataloader() needs a train_dataset")
-        data = TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator)
+        data = self._training_data()
         return data.loader(self._own_plan(data), epoch=0, start_step=0)
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Sampler | None:
@@ -996,8 +1080,9 @@ class Trainer(transformers.Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward
         parameters and the label names)."""
-        if self._signature_columns is None:
-            self._signature_columns = sorted(forward_columns(self.model))
+        if self._signature_columns is None:  # as Hugging Face: with the label names
+            label_names = self.args.label_names or ["labels"]
+            self._signature_columns = sorted(forward_columns(self.model) | {"label", "label_ids", *label_names})
 
     def get_tp_size(self) -> int:
         return self.dims.tp

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from shardtrain.errors import DataError
 from shardtrain.train.data import (
@@ -75,15 +75,19 @@ class TrainingData:
     rank: int = 0
 
     @classmethod
-    def of(cls, args: Any, runtime: Any, dataset: Any, collator: Callable) -> TrainingData:
+    def of(cls, args: Any, runtime: Any, dataset: Any, collator: Callable,
+           per_device: int | None = None) -> TrainingData:
         """The part for `TrainingArguments` `args` (batch sizes, accumulation, seeds, `dataloader_*`) on a
-        `parallel.runtime.Runtime`."""
+        `parallel.runtime.Runtime`. `per_device`: a per-device batch below the configured one (which it divides;
+        `auto_find_batch_size`), the accumulation steps grown so that the global batch stays the same."""
         device = runtime.device
+        per_device = per_device or args.per_device_train_batch_size
+        accumulation = args.gradient_accumulation_steps * args.per_device_train_batch_size // per_device
         return cls(
             dataset=dataset, collator=collator,
             # a process that feeds several devices (XLA SPMD) loads all their batches at once
-            per_process_batch=args.per_device_train_batch_size * runtime.backend.devices_per_process,
-            per_device_batch=args.per_device_train_batch_size, accumulation_steps=args.gradient_accumulation_steps,
+            per_process_batch=per_device * runtime.backend.devices_per_process,
+            per_device_batch=per_device, accumulation_steps=accumulation,
             dp_size=runtime.dims.batch_size, dp_rank=runtime.dp_rank, seed=args.seed,
             data_seed=args.seed if args.data_seed is None else args.data_seed, world_size=runtime.world_size,
             all_reduce=runtime.backend.all_reduce, device=device, num_workers=args.dataloader_num_workers,
@@ -105,8 +109,11 @@ class TrainingData:
                          per_device_batch_size=self.per_process_batch, accumulation_steps=self.accumulation_steps,
                          dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.data_seed, order=order)
 
-    def loader(self, plan: BatchPlan, epoch: int, start_step: int) -> DataLoader:
-        """This rank's micro-batches of `epoch` from `start_step` on, as a DataLoader."""
+    def loader(self, plan: BatchPlan | StreamPlan, epoch: int, start_step: int) -> DataLoader:
+        """This rank's micro-batches of `epoch` from `start_step` on, as a DataLoader (over a stream: an iterable
+        one, whose reading is collective, as the training loop's)."""
+        if isinstance(plan, StreamPlan):
+            return DataLoader(_StreamMicroBatches(plan, epoch, start_step), batch_size=None)
         # Its own generator: creating the iterator must not draw from the global RNG that dropout uses, or a
         # resumed run (which creates one more iterator) would drop out different units.
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "loader", epoch, self.dp_rank))
@@ -147,3 +154,15 @@ class TrainingData:
     def _global_sample_count(self, local: int) -> int:
         """Samples of a step over the data-parallel ranks (cp and tp ranks load the same ones)."""
         return over_data_ranks(local, self.all_reduce, self.device, self.dp_size, self.world_size)
+
+
+class _StreamMicroBatches(IterableDataset):
+    """The collated micro-batches of one pass of a `StreamPlan`, in order (what `get_train_dataloader` returns
+    for a stream)."""
+
+    def __init__(self, plan: StreamPlan, epoch: int, start_step: int) -> None:
+        self.plan, self.epoch, self.start_step = plan, epoch, start_step
+
+    def __iter__(self) -> Iterator[Any]:
+        for batches, _ in self.plan.epoch(self.epoch, self.start_step):
+            yield from batches

@@ -81,7 +81,9 @@ def check_sample(sample: Any, limits: ModelLimits) -> tuple[str | None, int]:
     """(problem or None, number of target tokens) of one sample, as the default collator sees it."""
     if not isinstance(sample, dict):
         return f"is a {type(sample).__name__}, not a dict of fields (input_ids, labels, ...)", 0
-    if "input_ids" not in sample:  # features, pixels, audio, embeddings: the model's own inputs
+    # features, pixels, audio, embeddings: the model's own inputs (a model without a vocabulary may call its
+    # float features input_ids)
+    if "input_ids" not in sample or (limits.vocab_size is None and not limits.text_inputs_only):
         return _check_non_token_sample(sample, limits)
     try:
         ids = _int_list(sample["input_ids"], "input_ids")
