@@ -7,6 +7,7 @@ FSDP) resumes its own checkpoint bit for bit; a full checkpoint of an FSDP run r
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 import transformers
 from launch import python, torchrun
 from safetensors.torch import load_file
+
+from shardtrain.checkpoint.full import write_full_checkpoint
 
 WORKER = Path(__file__).parent / "workers" / "hf_checkpoints.py"
 
@@ -29,6 +32,14 @@ def runs(tmp_path_factory) -> Path:
     torchrun(WORKER, 2, "ours", str(root / "fsdp2_from_hf"), str(root / "hf" / "checkpoint-4"))
     torchrun(WORKER, 2, "ours", str(root / "fsdp2"))
     python(WORKER, "ours", str(root / "plain_from_fsdp2"), str(root / "fsdp2" / "checkpoint-4"))
+    # our checkpoint-4 with its model rewritten as shards and an index after it was written (as transformers'
+    # own tests do): the files listed in its manifest are gone, the ones there now are read instead
+    resharded = root / "resharded" / "checkpoint-4"
+    shutil.copytree(root / "ours" / "checkpoint-4", resharded)
+    weights = load_file(resharded / "model.safetensors")
+    (resharded / "model.safetensors").unlink()
+    assert len(write_full_checkpoint(weights, resharded, None, max_shard_bytes=8_000)) > 2
+    python(WORKER, "ours", str(root / "ours_from_resharded"), str(resharded))
     return root
 
 
@@ -61,6 +72,11 @@ def test_a_plain_run_writes_hugging_faces_files(runs):
 
 def test_a_plain_run_resumes_its_own_checkpoint_bit_for_bit(runs):
     assert_ends_alike(runs, "ours_resumed", "ours", tol=0.0)
+
+
+def test_a_checkpoint_whose_model_was_split_into_shards_afterwards_resumes(runs):
+    assert (runs / "resharded" / "checkpoint-4" / "model.safetensors.index.json").is_file()
+    assert_ends_alike(runs, "ours_from_resharded", "ours", tol=0.0)
 
 
 def test_transformers_checkpoint_resumes_on_one_process(runs):

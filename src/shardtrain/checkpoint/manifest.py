@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 MANIFEST_FILE = "manifest.json"
@@ -35,8 +36,9 @@ def write_manifest(directory: str | Path) -> None:
     (root / MANIFEST_FILE).write_text(text)
 
 
-def manifest_problem(directory: str | Path) -> str | None:
-    """What is wrong with the checkpoint in `directory` compared with its manifest, or None when it matches."""
+def manifest_problem(directory: str | Path, skip: Callable[[str], bool] | None = None) -> str | None:
+    """What is wrong with the checkpoint in `directory` compared with its manifest, or None when it matches
+    (`skip`: file names the caller checks another way)."""
     root = Path(directory)
     manifest = root / MANIFEST_FILE
     if not manifest.is_file():
@@ -47,6 +49,8 @@ def manifest_problem(directory: str | Path) -> str | None:
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         return f"{MANIFEST_FILE} is damaged ({type(err).__name__}: {err})"
     for name, size, digest in items:
+        if skip is not None and skip(name):
+            continue
         path = root / name
         if not path.is_file():
             return f"{name} is missing"
@@ -56,3 +60,11 @@ def manifest_problem(directory: str | Path) -> str | None:
         if digest is not None and _sha256(path) != digest:
             return f"{name} does not match its checksum in {MANIFEST_FILE} (the file was modified or damaged)"
     return None
+
+
+def listed_files(directory: str | Path) -> list[str]:
+    """The files the manifest of `directory` lists (none when it is missing or damaged)."""
+    try:
+        return list(json.loads((Path(directory) / MANIFEST_FILE).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from shardtrain import model_facts
 
@@ -97,7 +98,12 @@ class TorchStates:
         return full_model_state(self.model, trainable_only=self.trainable_only)
 
     def load_full_model_state(self, full: dict[str, torch.Tensor]) -> None:
-        """Load the whole model given on rank 0 (empty elsewhere) into every rank's shards; collective."""
+        """Load the whole model given on rank 0 (empty elsewhere) into every rank's shards; collective. A model
+        that is not sharded (one plain process) loads through its own `load_state_dict`, as Hugging Face loads it,
+        so a model that overrides it (to resize a buffer, say) is honoured."""
+        if not any(isinstance(p, DTensor) for p in self.model.parameters()) and full:
+            self.model.load_state_dict(full, strict=False)  # tied aliases are absent: one parameter, loaded once
+            return
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False,
                                    ignore_frozen_params=self.trainable_only)
         set_model_state_dict(self.model, full, options=options)

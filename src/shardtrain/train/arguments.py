@@ -63,7 +63,7 @@ IMPLEMENTED_HF = frozenset({
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "optim", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "max_steps", "num_train_epochs",
     "train_sampling_strategy", "log_level", "log_level_replica", "skip_memory_metrics", "label_names",
-    "auto_find_batch_size",
+    "auto_find_batch_size", "dataloader_drop_last",
     "max_grad_norm", "bf16", "fp16", "seed", "data_seed", "logging_strategy", "logging_steps", "logging_first_step",
     "eval_strategy", "eval_steps", "eval_on_start", "prediction_loss_only", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "load_best_model_at_end", "metric_for_best_model", "greater_is_better",

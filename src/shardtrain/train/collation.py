@@ -16,18 +16,25 @@ from torch import nn
 from shardtrain.train.data import ColumnFilter, PaddingCollator
 from shardtrain.train.loss import is_causal_lm
 from shardtrain.train.packing import packing_collator
+from shardtrain.train.validation import ModelLimits
 
 
 def default_collator(model: nn.Module, processing_class: Any, *, packed: bool = False,
                      context_parallel: bool = False) -> Callable:
     """Packing's collator (`packed`), `DataCollatorWithPadding` when `processing_class` is a tokenizer (Hugging
-    Face's default), else `PaddingCollator` (the model's pad token; causal LMs learn their inputs)."""
+    Face's default), transformers' `default_data_collator` for a model without a vocabulary (its inputs are
+    features, whatever their names), else `PaddingCollator` (the model's pad token; causal LMs learn their
+    inputs)."""
     if packed:
         return packing_collator(model, context_parallel=context_parallel)
     if hasattr(processing_class, "pad"):
         from transformers import DataCollatorWithPadding
 
         return DataCollatorWithPadding(processing_class)
+    if ModelLimits.of(model, shift_labels=False).vocab_size is None and not is_causal_lm(model):
+        from transformers import default_data_collator  # a model without a vocabulary: its own inputs, as HF
+
+        return default_data_collator
     pad_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     return PaddingCollator(pad_token_id=pad_id if pad_id is not None else 0, labels_from_input_ids=is_causal_lm(model))
 

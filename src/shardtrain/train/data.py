@@ -44,6 +44,7 @@ class BatchPlan:
     dp_rank: int
     seed: int
     order: EpochOrder | None = None  # the epochs' orders from a sampler; None: a seeded permutation per epoch
+    drop_last: bool = False  # dataloader_drop_last: an epoch's short last global batch is left out
 
     @property
     def global_batch_size(self) -> int:
@@ -51,6 +52,8 @@ class BatchPlan:
 
     @property
     def steps_per_epoch(self) -> int:
+        if self.drop_last:
+            return max(1, self.num_samples // self.global_batch_size)
         return max(1, math.ceil(self.num_samples / self.global_batch_size))
 
     def permutation(self, epoch: int) -> list[int]:

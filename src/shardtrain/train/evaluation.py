@@ -92,7 +92,7 @@ class EvalLoop:
                  generate: Callable[[dict], tuple[list, list]] | None = None,
                  prediction_step: Callable[[dict, bool], tuple] | None = None, batch_metrics: bool = False,
                  keep_predictions: bool = True, inputs_key: str | None = None,
-                 label_names: tuple[str, ...] = ("labels",)) -> None:
+                 label_names: tuple[str, ...] = ("labels",), drop_last: bool = False) -> None:
         self.model, self.loss, self.collator = model, loss, collator
         self.batch_size = per_device_batch_size * runtime.backend.devices_per_process
         self.dp_rank, self.dp_size, self.device = runtime.dp_rank, runtime.dims.batch_size, runtime.device
@@ -111,6 +111,7 @@ class EvalLoop:
         # include_for_metrics ["inputs"]: this batch key's rows go to EvalPrediction.inputs (None: no inputs)
         self.inputs_key = inputs_key
         self.label_names = label_names  # several: label_ids is a tuple of arrays, as Hugging Face's
+        self.drop_last = drop_last  # dataloader_drop_last: the samples of whole global batches only
         self.rows = 0  # real rows this rank evaluated
 
     def evaluate(self, source: Any, prefix: str, compute_metrics: Callable | None,
@@ -139,9 +140,9 @@ class EvalLoop:
     def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
             with_predictions: bool) -> PredictionOutput:
         """Evaluate `dataset`: this rank's contiguous block, in batches of `batch_size`, in dataset order."""
-        per_rank = math.ceil(len(dataset) / self.dp_size)
-        start = self.dp_rank * per_rank
-        mine = list(range(start, min(len(dataset), start + per_rank)))
+        mine = rank_share(len(dataset), dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=self.batch_size,
+                          drop_last=self.drop_last)
+        per_rank = -(-len(dataset) // self.dp_size) if not self.drop_last else len(mine)
         steps = max(1, math.ceil(per_rank / self.batch_size))
         mine += [-1] * (steps * self.batch_size - len(mine))
         data = CollatingDataset(dataset, self.collator)
@@ -347,20 +348,30 @@ class EvalLoop:
 SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks
 
 
+def rank_share(length: int, *, dp_rank: int, dp_size: int, batch_size: int, drop_last: bool = False) -> list[int]:
+    """The positions of data-parallel rank `dp_rank`'s contiguous block of a dataset of `length` samples;
+    `drop_last`: of the samples of whole global batches only (Hugging Face's dataloader_drop_last)."""
+    if drop_last:
+        length = length // (batch_size * dp_size) * (batch_size * dp_size)
+    per_rank = -(-length // dp_size)
+    return list(range(dp_rank * per_rank, min(length, (dp_rank + 1) * per_rank)))
+
+
 def eval_loader(dataset: Any, collator: Callable, *, batch_size: int, dp_rank: int, dp_size: int,
-                seed: int) -> DataLoader:
+                seed: int, drop_last: bool = False) -> DataLoader:
     """`get_eval_dataloader`'s loader: this data-parallel rank's contiguous share of `dataset`, collated (a stream:
     every element). It stands for its dataset: `loader_source` gives the dataset back, which `EvalLoop.evaluate`
     evaluates exactly over every rank."""
     if is_stream(dataset):  # read by EvalLoop.run_stream; iterating this loader gives every element
         loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collator)
     else:
-        per_rank = -(-len(dataset) // dp_size)
-        indices = list(range(dp_rank * per_rank, min(len(dataset), (dp_rank + 1) * per_rank)))
+        indices = rank_share(len(dataset), dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size,
+                             drop_last=drop_last)
         batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
         loader = DataLoader(CollatingDataset(dataset, collator), batch_sampler=_FixedBatches(batches, seed),
                             collate_fn=passthrough)
     setattr(loader, SHARED_DATASET, dataset)
+    loader.total_batch_size = batch_size * dp_size  # Accelerate's loaders say it (batch x processes)
     return loader
 
 

@@ -19,7 +19,6 @@ import transformers
 REFUSED: dict[str, str] = {
     "deepspeed": "shardtrain shards with FSDP2; drop --deepspeed and use --fsdp / fsdp_config",
     "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
-    "dataloader_drop_last": "shardtrain never drops samples (short batches are padded with ignored samples)",
     "optim_target_modules": "only torch's elementwise optimizers are available",
 }
 
@@ -138,6 +137,8 @@ FIELD_NOTES = {
     "fsdp": "FSDP2 (fully_shard); legacy strings map to fsdp_config",
     "bf16": "unset: the launcher's mixed precision",
     "save_strategy": "'no', 'steps', 'epoch', 'best'",
+    "dataloader_drop_last": "an epoch's short last global batch is left out (training and evaluation); without it "
+                            "nothing is dropped (short batches are completed with ignored samples)",
     "auto_find_batch_size": "on out of memory: the per-device batch halved and the accumulation steps doubled, so "
                             "the global batch and the losses stay the same (Hugging Face changes the global batch)",
     "label_names": "the batch keys evaluation returns as label_ids (several: a tuple), as Hugging Face; the loss is "

@@ -43,9 +43,9 @@ def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart
             return path
         if resume == "auto":
             return None
-        raise CheckpointError(f"resume_from_checkpoint=True but {output_dir} has no complete, undamaged "
-                              "checkpoint-<step>; use resume_from_checkpoint='auto' to start fresh when there is "
-                              "none, or pass a path")
+        raise CheckpointError(f"No valid checkpoint found in output directory ({output_dir}): "
+                              "resume_from_checkpoint=True needs a complete, undamaged checkpoint-<step> there; "
+                              "use resume_from_checkpoint='auto' to start fresh when there is none, or pass a path")
     path = Path(resume)
     if not path.is_dir():
         raise CheckpointError(f"Can't find a valid checkpoint at {resume}: resume_from_checkpoint={str(resume)!r} is "

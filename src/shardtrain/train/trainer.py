@@ -901,7 +901,7 @@ class Trainer(transformers.Trainer):
                         keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
                         inputs_key=getattr(self.model, "main_input_name", "input_ids")
                         if "inputs" in (args.include_for_metrics or []) else None,
-                        label_names=tuple(self.label_names))
+                        label_names=tuple(self.label_names), drop_last=args.dataloader_drop_last)
         output, samples = loop.evaluate(source, metric_key_prefix, self.compute_metrics, not loss_only)
         if self.state.epoch is not None and metric_key_prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
@@ -975,7 +975,8 @@ class Trainer(transformers.Trainer):
                 indices = [int(i) for i in sampler]
                 dataset = dataset.select(indices) if hasattr(dataset, "select") else Subset(dataset, indices)
         return eval_loader(dataset, self._eval_collator(), batch_size=self.args.per_device_eval_batch_size,
-                           dp_rank=self.dp_rank, dp_size=self.dims.batch_size, seed=self.args.seed)
+                           dp_rank=self.dp_rank, dp_size=self.dims.batch_size, seed=self.args.seed,
+                           drop_last=self.args.dataloader_drop_last)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,

@@ -73,6 +73,7 @@ class TrainingData:
     pin_memory: bool = False
     prefetch_factor: int | None = None
     rank: int = 0
+    drop_last: bool = False
 
     @classmethod
     def of(cls, args: Any, runtime: Any, dataset: Any, collator: Callable,
@@ -92,7 +93,7 @@ class TrainingData:
             data_seed=args.seed if args.data_seed is None else args.data_seed, world_size=runtime.world_size,
             all_reduce=runtime.backend.all_reduce, device=device, num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory and device.type == "cuda",
-            prefetch_factor=args.dataloader_prefetch_factor, rank=runtime.rank)
+            prefetch_factor=args.dataloader_prefetch_factor, rank=runtime.rank, drop_last=args.dataloader_drop_last)
 
     def plan(self, user_loader: Callable[[], Any] | None = None, owner: str = "", sampler: Any = None) -> Plan:
         """The plan of the steps: a user's loader's (`user_loader`: an overridden `get_train_dataloader`,
@@ -107,20 +108,25 @@ class TrainingData:
         order = EpochOrder(sampler) if sampler is not None else None
         return BatchPlan(num_samples=len(order if order is not None else self.dataset),
                          per_device_batch_size=self.per_process_batch, accumulation_steps=self.accumulation_steps,
-                         dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.data_seed, order=order)
+                         dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.data_seed, order=order,
+                         drop_last=self.drop_last)
 
     def loader(self, plan: BatchPlan | StreamPlan, epoch: int, start_step: int) -> DataLoader:
         """This rank's micro-batches of `epoch` from `start_step` on, as a DataLoader (over a stream: an iterable
         one, whose reading is collective, as the training loop's)."""
         if isinstance(plan, StreamPlan):
-            return DataLoader(_StreamMicroBatches(plan, epoch, start_step), batch_size=None)
+            loader = DataLoader(_StreamMicroBatches(plan, epoch, start_step), batch_size=None)
+            loader.total_batch_size = self.per_device_batch * self.dp_size
+            return loader
         # Its own generator: creating the iterator must not draw from the global RNG that dropout uses, or a
         # resumed run (which creates one more iterator) would drop out different units.
         generator = torch.Generator().manual_seed(derive_seed(self.seed, "loader", epoch, self.dp_rank))
-        return DataLoader(CollatingDataset(self.dataset, self.collator),
-                          batch_sampler=StepBatchSampler(plan, epoch, start_step), collate_fn=passthrough,
-                          num_workers=self.num_workers, generator=generator, pin_memory=self.pin_memory,
-                          prefetch_factor=self.prefetch_factor if self.num_workers else None)
+        loader = DataLoader(CollatingDataset(self.dataset, self.collator),
+                            batch_sampler=StepBatchSampler(plan, epoch, start_step), collate_fn=passthrough,
+                            num_workers=self.num_workers, generator=generator, pin_memory=self.pin_memory,
+                            prefetch_factor=self.prefetch_factor if self.num_workers else None)
+        loader.total_batch_size = self.per_device_batch * self.dp_size  # Accelerate's loaders say it
+        return loader
 
     def epoch_steps(self, plan: Plan, epoch: int, start: int) -> Iterator[tuple[list[dict[str, Any]], list[bool]]]:
         """(micro-batches, placeholder flags) of each step of `epoch` from step `start` on."""
