@@ -40,6 +40,8 @@ def runs(tmp_path_factory) -> Path:
     (resharded / "model.safetensors").unlink()
     assert len(write_full_checkpoint(weights, resharded, None, max_shard_bytes=8_000)) > 2
     python(WORKER, "ours", str(root / "ours_from_resharded"), str(resharded))
+    half = python(WORKER, "ours", str(root / "ours_half"), str(root / "ours" / "checkpoint-4"), "half")
+    (root / "ours_half" / "stderr.txt").write_text(half.stderr)
     return root
 
 
@@ -95,6 +97,13 @@ def test_a_full_fsdp_checkpoint_resumes_without_fsdp(runs):
     assert_ends_alike(runs, "plain_from_fsdp2", "fsdp2", tol=1e-5)
 
 
+def test_another_global_batch_goes_on_with_a_warning_as_transformers_does(runs):
+    said = (runs / "ours_half" / "stderr.txt").read_text()
+    assert "was trained with a global batch of 8 samples, this run has 4" in said
+    assert "per_device_train_batch_size: 4 (from args) != 8 (from trainer_state.json)" in said  # Hugging Face's
+    assert result(runs, "ours_half")["global_step"] == 8
+
+
 def test_transformers_reads_every_trainer_state_we_write(runs):
     states = sorted(runs.glob("*/checkpoint-*/trainer_state.json"))
     ours = [p for p in states if not p.parent.parent.name.startswith("hf")]
@@ -103,4 +112,5 @@ def test_transformers_reads_every_trainer_state_we_write(runs):
         state = transformers.TrainerState.load_from_json(str(path))
         engine = json.loads((path.parent / "shardtrain_state.json").read_text())
         assert state.global_step == int(path.parent.name.split("-")[1])
-        assert engine["global_batch_size"] == 8 and engine["steps_per_epoch"] == 1
+        batch = 4 if path.parent.parent.name == "ours_half" else 8
+        assert engine["global_batch_size"] == batch and engine["steps_per_epoch"] == 8 // batch

@@ -76,3 +76,43 @@ def test_equal_length_tensors_are_stacked_like_the_padding_path():
     assert items[0]["input_ids"][0] == 3 and fast["input_ids"][0, 0] == 3
     mixed = PaddingCollator()([{"input_ids": torch.tensor([1, 2])}, {"input_ids": torch.tensor([3])}])
     assert mixed["input_ids"].tolist() == [[1, 2], [3, 0]]  # different lengths still pad
+
+
+def test_drop_last_leaves_out_the_short_last_global_batch_on_every_split():
+    kept = None
+    for batch, accum, world in ((8, 1, 1), (4, 1, 2), (2, 2, 2)):
+        steps = []
+        for rank in range(world):
+            plan = BatchPlan(num_samples=37, per_device_batch_size=batch, accumulation_steps=accum, dp_size=world,
+                             dp_rank=rank, seed=0, drop_last=True)
+            assert plan.steps_per_epoch == 4  # 37 // 8
+            steps += [i for micro in StepBatchSampler(plan, 0) for i in micro]
+        assert -1 not in steps and len(steps) == 32
+        kept = kept or sorted(steps)
+        assert sorted(steps) == kept  # the same 32 samples, whatever the split
+
+
+def test_a_samplers_order_is_each_epochs_order_on_every_rank():
+    from torch.utils.data import RandomSampler
+
+    from shardtrain.train.data import EpochOrder
+
+    def plan(rank: int) -> BatchPlan:  # every rank builds its own sampler from the same seed, as Hugging Face's
+        sampler = RandomSampler(range(10), generator=torch.Generator().manual_seed(5))
+        return BatchPlan(num_samples=10, per_device_batch_size=5, accumulation_steps=1, dp_size=2, dp_rank=rank,
+                         seed=0, order=EpochOrder(sampler))
+
+    first, second = plan(0), plan(1)
+    assert first.permutation(1) == second.permutation(1) != first.permutation(0)  # a resume reaches epoch 1 alike
+    assert first.permutation(0) == second.permutation(0)  # replayed, not drawn again
+    assert sorted(first.permutation(0)) == list(range(10))
+    assert list(StepBatchSampler(first, 0))[0] == first.permutation(0)[:5]  # rank 0: the first slice
+
+
+def test_rank_shares_of_an_evaluation_set():
+    from shardtrain.train.evaluation import rank_share
+
+    shares = [rank_share(74, dp_rank=r, dp_size=2, batch_size=16) for r in (0, 1)]
+    assert shares[0] + shares[1] == list(range(74))
+    dropped = [rank_share(74, dp_rank=r, dp_size=2, batch_size=16, drop_last=True) for r in (0, 1)]
+    assert dropped[0] + dropped[1] == list(range(64))  # whole global batches of 32 only

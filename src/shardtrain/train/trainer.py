@@ -120,7 +120,10 @@ class Trainer(transformers.Trainer):
     Face's override points are called where Hugging Face calls them, with its signatures: `compute_loss`,
     `training_step` (one micro-batch: forward and backward), `prediction_step`, `evaluation_loop`,
     `create_optimizer`, `create_scheduler`, `get_decay_parameter_names`, `log`,
-    `get_train_dataloader`/`get_eval_dataloader`, `_prepare_inputs`, `_save_checkpoint`.
+    `get_train_dataloader`/`get_eval_dataloader`, `_get_train_sampler`/`_get_eval_sampler`, `_prepare_inputs`,
+    `_evaluate`, `_save_checkpoint`, `_load_optimizer_and_scheduler`; an overridden `_save` is called by
+    `save_model`. Every other method of Hugging Face's is inherited or replaced (`hf_methods`: overriding a
+    replaced one is refused when the subclass is built).
 
     Args:
         model: an `nn.Module` (Hugging Face model or any module whose forward takes the batch keys), or the
@@ -679,6 +682,11 @@ class Trainer(transformers.Trainer):
         inputs (GRPO generates), its `compute_loss` the loss, divided by the accumulation steps unless the library
         did (`loss_is_scaled_for_ga`). This rank's loss is backpropagated as it is; FSDP averages the gradients
         over the ranks as DDP does under Hugging Face."""
+        if self.dims.cp > 1 or self.dims.tp > 1:
+            raise TrainingArgumentsError(
+                f"{type(self).__name__}'s batches are its own ({type(inputs).__name__}: only its _prepare_inputs reads "
+                f"them), which the engine cannot split over context- or tensor-parallel ranks (cp_size "
+                f"{self.dims.cp}, tp_size {self.dims.tp}); train it with cp_size and tp_size 1")
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)

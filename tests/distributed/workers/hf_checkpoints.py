@@ -1,8 +1,9 @@
 """Checkpoints that move between transformers' Trainer and shardtrain's.
 
-python hf_checkpoints.py hf|ours OUT [RESUME]      (ours also under torchrun: FSDP on every rank)
+python hf_checkpoints.py hf|ours OUT [RESUME [half]] (ours also under torchrun: FSDP on every rank)
 A tiny Llama with tied embeddings, trained on one full batch (8 samples: the data order cannot matter) for 8
-steps with a checkpoint every 4; with RESUME, `train(resume_from_checkpoint=RESUME)`. Writes OUT/final (the model
+steps with a checkpoint every 4; with RESUME, `train(resume_from_checkpoint=RESUME)` ("half": with half the global
+batch). Writes OUT/final (the model
 as `save_model` writes it) and OUT/result.json (the per-step losses and learning rates, the steps it ran).
 """
 
@@ -35,7 +36,8 @@ def main() -> None:
 
         trainer_cls, args_cls = shardtrain.Trainer, shardtrain.TrainingArguments
         extra = {"fsdp": "full_shard"} if world > 1 else {}
-    args = args_cls(output_dir=str(out), per_device_train_batch_size=SAMPLES // world, max_steps=STEPS,
+    per_device = SAMPLES // world // (2 if sys.argv[4:] == ["half"] else 1)
+    args = args_cls(output_dir=str(out), per_device_train_batch_size=per_device, max_steps=STEPS,
                     save_steps=4, logging_steps=1, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,
                     lr_scheduler_type="linear", report_to=[], disable_tqdm=True, seed=7, use_cpu=True,
                     save_strategy="steps", **extra)
