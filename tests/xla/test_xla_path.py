@@ -158,8 +158,11 @@ def test_save_model_loads_with_from_pretrained_with_the_same_logits(runs, run):
 
 
 def test_no_pickled_pth_is_written(runs):
+    # the XLA runs write none; the eager reference (FSDP off: one plain process) writes Hugging Face's layout,
+    # whose rng_state.pth and training_args.bin transformers' Trainer writes too (shardtrain never reads the latter)
     written = [p for p in runs["root"].rglob("*") if p.suffix in (".pth", ".bin")]
-    assert written == []
+    assert written and all(p.relative_to(runs["root"]).parts[0] == "eager" for p in written)
+    assert {p.name for p in written} == {"rng_state.pth", "training_args.bin"}
     sharded = runs["root"] / "ckpt" / "checkpoint-5" / "sharded"
     assert sorted(p.suffix for p in sharded.iterdir()) == ["", ".distcp"]  # .metadata + DCP data
 

@@ -167,14 +167,6 @@ class TrainingArguments(transformers.TrainingArguments):
         # shardtrain's backend owns the process group (no Accelerate PartialState that would create one); the
         # launcher's facts stand in for it
         self.distributed_state = LaunchedProcesses.from_environment()
-        config = self.accelerator_config
-        if isinstance(config, AcceleratorConfig) and config.use_configured_state:
-            from accelerate.state import PartialState
-
-            if PartialState._shared_state == {}:  # Hugging Face's check (the engine itself never reads the state)
-                raise ValueError("Passing `'use_configured_state':True` to the AcceleratorConfig requires a "
-                                 "pre-configured `AcceleratorState` or `PartialState` to be defined before calling "
-                                 "`TrainingArguments`.")
         device = current_device()
         self._n_gpu = 1 if device.type == "cuda" else 0
         return device
@@ -377,7 +369,8 @@ def _given(args: transformers.TrainingArguments, spec: dataclasses.Field) -> Any
 def take_accumulation_from_accelerator_config(args: TrainingArguments) -> None:
     """Hugging Face's rule (its Trainer's, at construction): `accelerator_config.gradient_accumulation_kwargs`'s
     `num_steps` becomes `gradient_accumulation_steps`, which must then be left at 1."""
-    steps = (args.accelerator_config.gradient_accumulation_kwargs or {}).get("num_steps")
+    # (no accelerator_config where Accelerate is not installed: transformers leaves it None)
+    steps = (getattr(args.accelerator_config, "gradient_accumulation_kwargs", None) or {}).get("num_steps")
     if steps is None:
         return
     if args.gradient_accumulation_steps > 1:

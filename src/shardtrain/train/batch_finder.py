@@ -8,8 +8,6 @@ and so changes the global batch).
 
 from __future__ import annotations
 
-from accelerate.utils.memory import should_reduce_batch_size
-
 from shardtrain.errors import TrainingArgumentsError
 
 __all__ = ["out_of_memory", "smaller_batch"]
@@ -17,6 +15,8 @@ __all__ = ["out_of_memory", "smaller_batch"]
 
 def out_of_memory(err: BaseException) -> bool:
     """Whether `err` says a device (or the host) ran out of memory (Accelerate's rule, which transformers uses)."""
+    from accelerate.utils.memory import should_reduce_batch_size  # (imported when needed: the XLA venv has none)
+
     return isinstance(err, MemoryError) or should_reduce_batch_size(err)
 
 
