@@ -134,3 +134,13 @@ def read_full_checkpoint(directory: str | Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path} is corrupt or truncated ({err}); load an earlier checkpoint") from err
     return state
+
+
+def weights_problem(directory: str | Path) -> str | None:
+    """What keeps the full model's files in `directory` from being read (a missing shard, a damaged header), or
+    None."""
+    try:
+        read_full_shapes(directory)
+    except CheckpointError as err:
+        return str(err)
+    return None

@@ -55,3 +55,16 @@ def is_transformers_checkpoint(path: Path) -> bool:
     """Whether `path` was written by `transformers.Trainer`: its `trainer_state.json` without any file of ours."""
     ours = (MANIFEST_FILE, ENGINE_STATE_FILE, TIED_FILE)
     return (path / STATE_FILE).is_file() and not any((path / name).exists() for name in ours)
+
+
+def checkpoint_kind_or_none(path: Path) -> str | None:
+    """`checkpoint_kind`, or None for a directory that holds no model."""
+    try:
+        return checkpoint_kind(path)
+    except CheckpointError:
+        return None
+
+
+def is_weight_file(name: str) -> bool:
+    """Whether `name` (relative to a checkpoint) is one of the full model's safetensors files or their index."""
+    return "/" not in name and name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json"))

@@ -41,7 +41,7 @@ from shardtrain.checkpoint.async_manager import AsyncSaver
 from shardtrain.checkpoint.async_save import InFlightSave
 from shardtrain.checkpoint.atomic import AtomicWrites
 from shardtrain.checkpoint.faults import fault_point
-from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, write_full_checkpoint
+from shardtrain.checkpoint.full import read_full_checkpoint, read_full_shapes, weights_problem, write_full_checkpoint
 from shardtrain.checkpoint.hf_export import distributed_state, read_sharded_pretrained, save_sharded_pretrained
 from shardtrain.checkpoint.layout import (
     BASE_FILE,
@@ -54,7 +54,9 @@ from shardtrain.checkpoint.layout import (
     STATE_FILE,
     TIED_FILE,
     checkpoint_kind,
+    checkpoint_kind_or_none,
     is_transformers_checkpoint,
+    is_weight_file,
 )
 from shardtrain.checkpoint.manifest import listed_files, manifest_problem
 from shardtrain.checkpoint.model_state import (
@@ -426,24 +428,3 @@ class CheckpointManager:
             states.load_full_optimizer_state(by_name)  # each rank keeps its shard
         else:  # an unsharded model: the parameters are Hugging Face's, in the same order
             self.optimizer.load_state_dict(saved)
-
-
-def is_weight_file(name: str) -> bool:
-    """Whether `name` (relative to a checkpoint) is one of the full model's safetensors files or their index."""
-    return "/" not in name and name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json"))
-
-
-def checkpoint_kind_or_none(path: Path) -> str | None:
-    try:
-        return checkpoint_kind(path)
-    except CheckpointError:
-        return None
-
-
-def weights_problem(path: Path) -> str | None:
-    """What keeps the full model's files in `path` from being read (a missing shard, a damaged header), or None."""
-    try:
-        read_full_shapes(path)
-    except CheckpointError as err:
-        return str(err)
-    return None
