@@ -535,12 +535,15 @@ class Trainer(transformers.Trainer):
     def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int,
                     window: LossWindow) -> None:
         last: StepResult | None = None  # the newest step (a log entry reports its grad norm and learning rate)
+        shrunk = False  # auto_find_batch_size cut the batch: the same pass goes on (no second epoch begin)
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             # where the data stands: derived from the step (map-style), or saved with it (a stream)
             epoch, start = (self.state.data_epoch, self.state.data_step) if isinstance(plan, StreamPlan) else \
                 divmod(self.state.global_step, plan.steps_per_epoch)
-            self.control.should_epoch_stop = False
-            self._fire("on_epoch_begin")
+            if not shrunk:
+                self.control.should_epoch_stop = False
+                self._fire("on_epoch_begin")
+            shrunk = False
             for step, (batches, placeholders) in enumerate(data.epoch_steps(plan, epoch, start), start):
                 try:
                     self._fire("on_step_begin")
@@ -558,6 +561,7 @@ class Trainer(transformers.Trainer):
                     self._shrink_batch(err)  # the same step again (or, after it, the next), with smaller parts
                     data = self._training_data()
                     plan = self._plan(data)
+                    shrunk = True
                     break
                 self._maybe_log_evaluate_save(window, last)
                 if self.state.global_step >= max_steps or self.control.should_training_stop or \
@@ -567,6 +571,8 @@ class Trainer(transformers.Trainer):
                 if isinstance(plan, StreamPlan) and self.state.data_step == 0 and start == 0:
                     raise DataError("train_dataset (a stream) gave no sample; check that iterating it yields samples")
                 self.state.data_epoch, self.state.data_step = epoch + 1, 0
+            if shrunk:
+                continue
             self._fire("on_epoch_end")
             self._maybe_log_evaluate_save(window, last)  # what on_epoch_end asked for (epoch strategies)
         if window:  # steps after the last log entry: in train_loss, as under Hugging Face
