@@ -7,14 +7,20 @@ process group shardtrain's backend created. Accelerate never wraps, shards or mo
 launcher's settings (`ACCELERATE_USE_FSDP`, `ACCELERATE_MIXED_PRECISION`, ...) were already applied by
 shardtrain's `TrainingArguments` (`shardtrain.config.accelerate_env`), so they are hidden from it: the
 Accelerator built here has no FSDP plugin and no autocast of its own.
+
+`gather_for_metrics` keeps Accelerate's meaning, "gather, leaving out the samples that only even out the
+batches": a rank running a placeholder micro-batch (an epoch's short end, which weighs nothing in the loss)
+contributes nothing, so a sum such as TRL's `num_tokens` is the one process's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from shardtrain.config.accelerate_env import PREFIXES
 
@@ -30,11 +36,12 @@ def _without_accelerate_env() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def engine_accelerator(backend: Any, args: Any = None) -> Any:
+def engine_accelerator(backend: Any, args: Any = None, standing_in: Callable[[], bool] | None = None) -> Any:
     """An `accelerate.Accelerator` for `backend`'s processes and device (None under PyTorch/XLA, whose device
     and collectives are torch_xla's). Its dataloader settings are `args.accelerator_config`'s, as Hugging Face's
     Trainer passes them (seedable samplers by default), so a library's `accelerator.prepare(loader)` draws the
-    batches it draws under transformers' Trainer."""
+    batches it draws under transformers' Trainer. `standing_in()` says whether this rank's current micro-batch
+    is a placeholder: its `gather_for_metrics` contributions are left out (see the module's docstring)."""
     if getattr(backend, "is_xla", False):
         return None
     from accelerate import Accelerator
@@ -56,7 +63,44 @@ def engine_accelerator(backend: Any, args: Any = None) -> Any:
     if PartialState._shared_state and PartialState().num_processes != backend.world_size:
         AcceleratorState._reset_state(reset_partial_state=True)
     with _without_accelerate_env():
-        return Accelerator(cpu=backend.device.type == "cpu", mixed_precision="no", device_placement=False,
+        accelerator = Accelerator(cpu=backend.device.type == "cpu", mixed_precision="no", device_placement=False,
                            dataloader_config=loading,
                            # as Hugging Face's: the Trainer accumulates, Accelerate's own count stays 1
                            gradient_accumulation_plugin=GradientAccumulationPlugin(**{**accumulation, "num_steps": 1}))
+    if standing_in is not None:
+        accelerator.gather_for_metrics = _without_stand_ins(accelerator, standing_in)
+    return accelerator
+
+
+def _without_stand_ins(accelerator: Any, standing_in: Callable[[], bool]) -> Callable[..., Any]:
+    """Accelerate's `gather_for_metrics`, leaving out the ranks whose micro-batch is a placeholder. Where every
+    rank's is (a micro-step past an epoch's last sample), each contributes zeros: sums stay the one process's
+    and means stay finite in a micro-batch that weighs nothing."""
+    from accelerate.utils import gather_object, recursively_apply
+
+    gather_for_metrics = accelerator.gather_for_metrics
+
+    def gather_real(input_data: Any, use_gather_object: bool = False) -> Any:
+        flags = accelerator.gather(torch.tensor([int(standing_in())], device=accelerator.device)).tolist()
+        if not any(flags):
+            return gather_for_metrics(input_data, use_gather_object)
+        keep = [rank for rank, flag in enumerate(flags) if not flag]
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            tensors = not use_gather_object
+        except TypeError:
+            tensors = False
+        if not tensors:  # as Accelerate's gather_object: the ranks' lists joined
+            per_rank = gather_object([input_data])
+            kept = [per_rank[rank] for rank in keep]
+            return [x for item in kept for x in item] if isinstance(input_data, (list, tuple)) else kept
+        if not keep:
+            return recursively_apply(torch.zeros_like, accelerator.gather(input_data))
+
+        def real_rows(gathered: torch.Tensor) -> torch.Tensor:
+            parts = gathered.split(gathered.shape[0] // len(flags))
+            return torch.cat([parts[rank] for rank in keep])
+
+        return recursively_apply(real_rows, accelerator.gather(input_data))
+
+    return gather_real

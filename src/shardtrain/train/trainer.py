@@ -1069,7 +1069,8 @@ class Trainer(transformers.Trainer):
         Face's Trainer (`gather_for_metrics`, `num_processes`, `unwrap_model`, `is_main_process`). It never wraps,
         shards or moves the model: shardtrain's backend does that. Built on first use."""
         if self.__dict__.get("_accelerator") is None:
-            self.__dict__["_accelerator"] = engine_accelerator(self.backend, self.args)
+            self.__dict__["_accelerator"] = engine_accelerator(
+                self.backend, self.args, standing_in=lambda: self.loss_computer.placeholder)
         return self.__dict__["_accelerator"]
 
     @accelerator.setter

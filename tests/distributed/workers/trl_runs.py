@@ -7,9 +7,10 @@ same global batch: per step 8 samples (SFT) or 4 preference pairs x 2 accumulati
 
 Cases: sft, sft_packed, dpo, dpo_path (the policy passed as a directory: TRL loads it and its reference
 model on every rank, reading `args.distributed_state`) and dpo_path_meta (the same with `cpu_ram_efficient_loading`
-for ours: TRL builds both on the meta device, each rank reads its shards). Writes OUT/<case>.json: per-step losses
-and gradient norms, the eval loss (SFT), and for the packed case the first packed row's position_ids and the largest
-difference between the logits of each of its documents and those of the document run alone.
+for ours: TRL builds both on the meta device, each rank reads its shards). Writes OUT/<case>.json: per-step
+losses, gradient norms and TRL's `num_tokens`, the eval loss (SFT), and for the packed case the first packed row's
+position_ids and the largest difference between the logits of each of its documents and those of the document run
+alone.
 """
 
 import copy
@@ -67,7 +68,8 @@ def arguments(config_cls: type, name: str, **kwargs) -> object:
 
 def history(trainer) -> dict:
     logs = [h for h in trainer.state.log_history if "loss" in h and "grad_norm" in h]
-    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs]}
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
+            "num_tokens": [h.get("num_tokens") for h in logs]}
 
 
 def sft(name: str, packing: bool) -> dict:
