@@ -1,4 +1,9 @@
-"""Start real multi-process runs for tests: torchrun (`torch.distributed.run`) on a port it picks, gloo, 1 thread."""
+"""Multi-process runs for tests: torchrun (`torch.distributed.run`) on a port it picks, gloo, 1 thread.
+
+A run expected to succeed goes to the session's rank pool (`rank_pool.py`: ranks started once, each case run in
+them as a launch would run it); a run expected to fail (`check=False`), or one whose launch is under test
+(`pooled=False`), starts real processes.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import rank_pool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,9 +27,24 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _pooled(nproc: int, script: str | Path, args: tuple, timeout: float, env: dict | None, pooled: bool | None,
+            check: bool) -> subprocess.CompletedProcess | None:
+    if not (rank_pool.ENABLED and (check if pooled is None else pooled)):
+        return None
+    proc = rank_pool.pool(nproc, worker_env()).run(script, list(args), env=env or worker_env(), timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} on {nproc} pooled rank(s) failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """Run `script` on `nproc` ranks with torchrun on a fresh port; fail with its output on error."""
+             check: bool = True, pooled: bool | None = None) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` ranks (pooled: by default when `check`) or with torchrun on a fresh port; fail
+    with its output on error."""
+    done = _pooled(nproc, script, args, timeout, env, pooled, check)
+    if done is not None:
+        return done
     # No port given: torchrun's c10d rendezvous binds port 0 itself (a port picked beforehand could be taken
     # by another test before torchrun binds it).
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(script), *args]
@@ -34,8 +56,11 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600, e
 
 
 def python(script: str | Path, *args: str, timeout: float = 600, env: dict | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """Run `script` as one plain process (no launcher)."""
+           check: bool = True, pooled: bool | None = None) -> subprocess.CompletedProcess:
+    """Run `script` as one plain process (no launcher; pooled by default when `check`)."""
+    done = _pooled(1, script, args, timeout, env, pooled, check)
+    if done is not None:
+        return done
     proc = subprocess.run([sys.executable, str(script), *args], env=env or worker_env(), capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:

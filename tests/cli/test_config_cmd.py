@@ -217,3 +217,17 @@ def test_activation_checkpointing_answers(home: Path, answer: str, written: bool
     assert data["fsdp_config"]["fsdp_activation_checkpointing"] == written
     config, _ = load_launch_config(path)
     assert config.validate(str(path)).activation_checkpointing == written
+
+
+def test_config_takes_the_flag_names_of_launch(home: Path, tmp_path: Path) -> None:
+    """`shardtrain launch`'s (Accelerate's) names answer the same questions as config's own names."""
+    ours, theirs = tmp_path / "ours.yaml", tmp_path / "theirs.yaml"
+    assert main(["config", "--default", "--config_file", str(ours), "--use_cpu", "yes", "--num_processes", "2",
+                 "--cpu_offload", "yes", "--state_dict_type", "SHARDED_STATE_DICT",
+                 "--cpu_ram_efficient_loading", "yes"]) == 0
+    assert main(["config", "--default", "--config_file", str(theirs), "--cpu", "--num_processes", "2",
+                 "--fsdp_offload_params", "true", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
+                 "--fsdp_cpu_ram_efficient_loading", "true"]) == 0
+    written = yaml.safe_load(theirs.read_text())
+    assert written == yaml.safe_load(ours.read_text())
+    assert written["use_cpu"] is True and written["fsdp_config"]["fsdp_offload_params"] is True

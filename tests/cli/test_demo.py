@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from launch import REPO, worker_env
 from transformers import LlamaForCausalLM
@@ -60,7 +61,11 @@ def test_demo_trains_and_saves(tmp_path):
         for label, (steps, values) in panels[name].items():
             if label != "eval loss":  # the demo evaluates outside train(): its eval_loss is logged at steps 0, 150
                 assert steps and len(steps) == len(values), (name, label)
+    # the evaluations before and after training: the final one was drawn too (report.png redrawn after it)
     assert panels["loss"]["eval loss"][0] == [0, 150]
+    assert panels["loss"]["eval loss"][1][-1] == pytest.approx(summary["eval_loss_after"], abs=1e-4)
+    assert (out / "report.png").stat().st_mtime >= (out / "metrics.jsonl").stat().st_mtime
+    assert "no config file found" not in proc.stderr  # its flags say what a config file would
     entries = read_metrics(out / "metrics.jsonl")
     train = [e for e in entries if "loss" in e]
     assert all(e["memory_kind"] == "cpu_peak_rss" and len(e["peak_memory_mb_per_rank"]) == 2 for e in train)

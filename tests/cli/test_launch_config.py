@@ -180,6 +180,8 @@ def test_torchrun_arguments(home, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     plan, err = dry_run(capsys, str(REPORT), "a", "--b")
     assert "no config file found" in err
+    _, err = dry_run(capsys, "--cpu", "--num_processes", "2", str(REPORT))
+    assert "no config file found" not in err  # the flags say what the file would have (the README's demo)
     assert plan["env"]["OMP_NUM_THREADS"] == "1"
     assert plan["torchrun_argv"] == [
         "--nnodes=1",
@@ -281,5 +283,7 @@ def test_accelerate_yaml_with_null_keys_is_accepted(home, tmp_path, capsys) -> N
 
 
 def test_default_config_warning_names_the_flags_given(home, tmp_path, capsys) -> None:
-    _, err = dry_run(capsys, "--num_processes", "2", str(REPORT))
+    _, err = dry_run(capsys, "--mixed_precision", "bf16", str(REPORT))
     assert "settings not given as flags take their defaults" in err and "using defaults: 1 process" not in err
+    _, err = dry_run(capsys, "--num_processes", "2", str(REPORT))
+    assert "no config file found" not in err  # the number of processes given: nothing is left to guess

@@ -75,3 +75,18 @@ def test_what_the_trainer_refuses_is_refused(config_json):
         name = next(iter(kwargs))
         with pytest.raises(PlanError, match=f"lora_rank = 4 with {name} = 2: the Trainer does not train LoRA"):
             plan(config_json, world_size=2, lora_rank=4, **kwargs)
+
+
+def test_cli_plans_for_this_machine_by_default_and_takes_launch_spelling(config_json, capsys):
+    """No --target: the device kind of the machine it runs on (no GPU here: cpu), said on the first line; the
+    flags also take the underscore spelling of `shardtrain launch`."""
+    import torch
+
+    assert not torch.cuda.is_available()
+    assert main(["plan", str(config_json), "--world_size", "2", "--batch", "2", "--seq_len", "16",
+                 "--no_step_time", "--no_what_if"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "Planned for cpu (no GPU is visible here; --target cuda for GPUs)."
+    assert main(["plan", str(config_json), "--world-size", "2", "--batch", "2", "--seq-len", "16", "--json",
+                 "--no-step-time", "--no-what-if"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["target"] == "cpu"

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 SHARDTRAIN_CPU=1 /work/main/.venv/bin/python -m pytest tests/plan/test_lifecycle.py -q
 
 The 64- and 512-rank plans use the widths of Llama-3-70B and Qwen3-235B-A22B with 2 layers (the full depth is in
-`benchmarks/plan_scale.py` and the README: minutes per plan on this machine).
+`benchmarks/plan_scale.py` and docs/planning.md: minutes per plan on this machine).
 """
 
 from __future__ import annotations

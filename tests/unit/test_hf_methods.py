@@ -1,5 +1,5 @@
 """The method contract (`shardtrain.train.hf_methods`): every method of the installed transformers.Trainer is
-classified once, the README's table is the code's, an override of a replaced method is refused when the class is
+classified once, the documentation's table is the code's, an override of a replaced method is refused when the class is
 built (naming the method), and every TRL and sentence-transformers trainer either builds on the engine or is
 refused for a method it overrides."""
 
@@ -34,10 +34,10 @@ def test_every_method_of_transformers_trainer_is_classified_once():
             inspect.signature(getattr(transformers.Trainer, name)).parameters.keys()
 
 
-def test_readme_methods_table_matches_the_code():
-    text = (REPO / "README.md").read_text()
-    assert compat.readme_with_table(text) == text, \
-        "README.md's tables are stale: run .venv/bin/python scripts/compat_table.py --write"
+def test_documented_methods_table_matches_the_code():
+    text = (REPO / "docs" / "hugging-face.md").read_text()
+    assert compat.page_with_tables(text, compat.PAGES["hugging-face.md"]) == text, \
+        "docs/hugging-face.md's tables are stale: run .venv/bin/python scripts/compat_table.py --write"
 
 
 @pytest.mark.parametrize("name", ["_maybe_log_save_evaluate", "_load_from_checkpoint", "_load_best_model",

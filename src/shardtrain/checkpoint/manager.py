@@ -76,7 +76,9 @@ class CheckpointManager:
 
     Args:
         output_dir: where `checkpoint-<step>` directories live.
-        model, optimizer, scheduler: the objects to save; optimizer/scheduler may be None (model only).
+        model: the (sharded or plain) model to save.
+        optimizer: its optimizer; None saves the model only.
+        scheduler: the learning-rate scheduler; may be None.
         state_dict_type: "FULL_STATE_DICT" or "SHARDED_STATE_DICT".
         save_total_limit: keep at most this many checkpoints (the best one is never deleted).
         frozen_base: for adapter training (LoRA): `frozen_identity` of the model before sharding. Checkpoints then

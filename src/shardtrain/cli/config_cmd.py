@@ -160,11 +160,18 @@ QUESTIONS = (
     Question("min_num_params", "Minimum parameters per wrapped module?", _int(0), _SIZE),
     Question("state_dict_type", f"Checkpoint type ({'/'.join(STATE_DICT_TYPES)})", _choice(*STATE_DICT_TYPES),
              _fsdp),
-    Question("cpu_ram_efficient_loading", "Load weights on rank 0 only, broadcast them?" + _YN, _yes_no,
-             _fsdp),
+    Question("cpu_ram_efficient_loading", "Build the model on the meta device and have each rank read only its "
+             "shards of the weights (host memory: one shard per rank)?" + _YN, _yes_no, _fsdp),
     Question("activation_checkpointing", "Activation checkpointing (recompute in backward)? (yes = full / "
              "selective = keep matmul and attention outputs / no)", _activation_checkpointing, _fsdp),
 )
+# `shardtrain launch`'s names (Accelerate's) for the same settings: `config` takes them too
+LAUNCH_NAMES = {"use_cpu": "cpu", "fsdp": "use_fsdp", "reshard_after_forward": "fsdp_reshard_after_forward",
+                "cpu_offload": "fsdp_offload_params", "auto_wrap_policy": "fsdp_auto_wrap_policy",
+                "transformer_layer_cls_to_wrap": "fsdp_transformer_layer_cls_to_wrap",
+                "min_num_params": "fsdp_min_num_params", "state_dict_type": "fsdp_state_dict_type",
+                "cpu_ram_efficient_loading": "fsdp_cpu_ram_efficient_loading",
+                "activation_checkpointing": "fsdp_activation_checkpointing"}
 _FSDP_KEYS = ("reshard_after_forward", "cpu_offload", "auto_wrap_policy", "transformer_layer_cls_to_wrap",
               "min_num_params", "state_dict_type", "cpu_ram_efficient_loading", "activation_checkpointing")
 
@@ -286,9 +293,10 @@ def add_config_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config_file", help="where to write (default: $SHARDTRAIN_HOME/default_config.yaml)")
     for q in QUESTIONS:
-        p.add_argument(
-            f"--{q.key}", dest=f"answer_{q.key}", metavar="VALUE", help=q.prompt.replace("%", "%%")
-        )
+        names = [f"--{q.key}"] + ([f"--{LAUNCH_NAMES[q.key]}"] if q.key in LAUNCH_NAMES else [])
+        yes_no = q.parse is _yes_no  # `--cpu` alone means yes, as on `shardtrain launch`
+        p.add_argument(*names, dest=f"answer_{q.key}", metavar="VALUE", help=q.prompt.replace("%", "%%"),
+                       **({"nargs": "?", "const": "yes"} if yes_no else {}))
     p.set_defaults(func=run_config)
 
 

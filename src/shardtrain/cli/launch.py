@@ -1,4 +1,4 @@
-"""`shardtrain launch`: run a script on N processes / M machines through torchrun's elastic agent, in-process.
+r"""`shardtrain launch`: run a script on N processes / M machines through torchrun's elastic agent, in-process.
 
     shardtrain launch train.py --lr 1e-4                      # settings: $SHARDTRAIN_HOME/default_config.yaml
     shardtrain launch --config_file accelerate.yaml train.py  # ours or Accelerate's YAML
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from shardtrain.cli.config_cmd import check_parallel_sizes
 from shardtrain.config import env as env_names
-from shardtrain.config.accelerate_env import FSDP_FLAGS, fsdp_from_flags
+from shardtrain.config.accelerate_env import FSDP_FLAGS, flag_help, fsdp_from_flags
 from shardtrain.config.env import true_word
 from shardtrain.config.fsdp_config import parse_fsdp_option
 from shardtrain.config.launch_config import DEFAULT_MULTI_NODE_PORT, LaunchConfig, load_launch_config, map_fsdp_config
@@ -85,7 +85,7 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     # Accelerate's FSDP flags, with its names and values (shardtrain.config.accelerate_env)
     p.add_argument("--use_fsdp", action="store_true", help="FSDP on (Accelerate's name for --fsdp)")
     for flag in FSDP_FLAGS:
-        p.add_argument(f"--{flag}", help=f"as accelerate launch --{flag} (FSDP2: --fsdp_version 2 only)")
+        p.add_argument(f"--{flag}", help=flag_help(flag))
     p.add_argument("--use_parallelism_config", action="store_true",
                    help="use the parallelism sizes (flags below, or the config file's parallelism_config)")
     for flag in _PARALLELISM_FLAGS:
@@ -229,7 +229,7 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     """
     warnings: list[str] = []
     config, source = load_launch_config(args.config_file)
-    if source is None:
+    if source is None and args.num_processes is None:  # flags that say how many processes answer it
         warnings.append("no config file found (run `shardtrain config`); settings not given as flags take their "
                         "defaults (1 process, FSDP on)")
     _apply_flags(config, args, warnings)

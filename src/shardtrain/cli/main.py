@@ -6,6 +6,7 @@
     shardtrain merge CKPT OUT --merge-lora --base DIR  # LoRA checkpoint + its base -> merged model
     shardtrain report OUTPUT_DIR                       # report.png from OUTPUT_DIR/metrics.jsonl
     shardtrain env                                     # versions, backends, devices, config
+    shardtrain --version
     shardtrain plan config.json --world-size 8 --device-memory 80GiB   # will it fit? memory + step time
     python -m shardtrain.cli.main ...                  # same, without the console script
 
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardtrain", description="FSDP2 training: config, launch, merge, env, plan.", allow_abbrev=False
     )
+    from shardtrain import __version__
+
+    parser.add_argument("--version", action="version", version=f"shardtrain {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,report,env,plan}")
     add_config_parser(subparsers)
     add_launch_parser(subparsers)

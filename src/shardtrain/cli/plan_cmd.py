@@ -28,6 +28,17 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, help_: str) -> None:
     parser.add_argument(f"--{name}", nargs="?", const=True, default=None, type=_on_off, metavar="BOOL", help=help_)
 
 
+def _take_underscores(parser: argparse.ArgumentParser) -> None:
+    """Each `--two-words` flag is also `--two_words`: the spelling of `shardtrain launch` and `config`."""
+    add = parser.add_argument
+
+    def add_argument(*names: str, **kwargs):
+        spelled = ["--" + n[2:].replace("-", "_") for n in names if n.startswith("--") and "-" in n[2:]]
+        return add(*names, *spelled, **kwargs)
+
+    parser.add_argument = add_argument
+
+
 def _ac_value(text: str) -> bool | str:
     from shardtrain.config.fsdp_config import parse_activation_checkpointing
     from shardtrain.errors import FSDPConfigError
@@ -43,6 +54,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan = subparsers.add_parser(
         "plan", allow_abbrev=False,
         help="predict per-rank memory (and whether it fits) and step time of a training run; nothing is downloaded")
+    _take_underscores(plan)
     plan.add_argument("model", help="a transformers config.json, or a model directory that holds one")
     plan.add_argument("--fsdp-config", help="fsdp_config JSON file or JSON text (the Trainer's keys)")
     plan.add_argument("--world-size", type=int, help="ranks (default: the product of the sizes given, else 1)")
@@ -66,8 +78,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--loss-chunk-size", metavar="TOKENS|auto",
                       help="as TrainingArguments.loss_chunk_size: LM head + cross entropy that many tokens at a time")
     plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: does it fit, and what would")
-    plan.add_argument("--target", default="cuda", choices=("cuda", "cpu"),
-                      help="training device kind (cpu: offloaded state counts too)")
+    plan.add_argument("--target", choices=("cuda", "cpu"),
+                      help="the device kind the run trains on (default: this machine's: cuda when a GPU is "
+                      "visible, else cpu; cpu: offloaded state counts too)")
     plan.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s (default: measured here)")
     plan.add_argument("--link-gbps", type=float, help="link rate per rank in GB/s (default: a local stand-in)")
     plan.add_argument("--no-step-time", action="store_true", help="skip the step-time estimate")
@@ -82,6 +95,12 @@ def run_plan(args: argparse.Namespace) -> int:
     """Entry of `shardtrain plan`: `shardtrain.plan.plan` (imported lazily: it imports torch and transformers)."""
     from shardtrain.plan import plan
 
+    why = "--target"
+    if args.target is None:
+        import torch
+
+        args.target = "cuda" if torch.cuda.is_available() else "cpu"
+        why = "a GPU is visible here" if args.target == "cuda" else "no GPU is visible here; --target cuda for GPUs"
     try:
         result = plan(args.model, fsdp_config=args.fsdp_config, world_size=args.world_size,
                       dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep,
@@ -95,5 +114,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except UserError as err:  # FSDPConfigError, ParallelDimsError, PlanError: the message names the fix
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not args.json:
+        print(f"Planned for {args.target} ({why}).")
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
     return 0

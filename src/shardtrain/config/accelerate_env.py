@@ -53,6 +53,21 @@ ACCELERATE_DEFAULTS = {"fsdp_forward_prefetch": "false", "fsdp_use_orig_params":
 FSDP1_ONLY = ("fsdp_forward_prefetch", "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states")
 
 
+def flag_help(flag: str) -> str:
+    """`shardtrain launch --help`'s line for Accelerate's FSDP flag `flag`: what is honoured, what is not."""
+    if flag in FSDP1_ONLY:
+        return f"accelerate launch --{flag}: FSDP1 only, ignored (a warning names it when not Accelerate's default)"
+    special = {
+        "fsdp_version": "accelerate launch --fsdp_version: 2 (1, also Accelerate's default with --use_fsdp, is "
+                        "refused: FSDP2 only)",
+        "fsdp_sharding_strategy": "accelerate launch --fsdp_sharding_strategy: FSDP1's, ignored (FSDP2 reads "
+                                  "--fsdp_reshard_after_forward)",
+        "fsdp_activation_checkpointing_offload": "accelerate launch --fsdp_activation_checkpointing_offload: "
+                                                 "false only (true is refused)",
+    }
+    return special.get(flag, f"as accelerate launch --{flag} (honoured)")
+
+
 @dataclass(frozen=True)
 class AccelerateSettings:
     """What an Accelerate launch asked for, in shardtrain's terms (`fsdp` in `FSDPConfig` key space)."""

@@ -223,7 +223,7 @@ class LaunchConfig:
                 raise LaunchConfigError(
                     f"{where}: key 'distributed_type' is {value!r}, which shardtrain launch does not run; "
                     + ("the TPU path runs as one plain `python` process per host with TrainingArguments "
-                       "fsdp_config {'xla': true, 'xla_fsdp_v2': true} (see README, TPU path)" if tpu else
+                       "fsdp_config {'xla': true, 'xla_fsdp_v2': true} (see docs/tpu.md)" if tpu else
                        "use FSDP (with fsdp_config) or MULTI_CPU/MULTI_GPU"))
             self.distributed_type = _as_choice(key, value, where, NON_FSDP_TYPES | {"FSDP"})
         elif key == "fsdp_config":

@@ -114,18 +114,26 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         model: a transformers `config.json`, a model directory, a `PretrainedConfig` or an `nn.Module`.
         fsdp_config: as `TrainingArguments.fsdp_config` (dict or JSON path); parsed by `FSDPConfig.load`.
         world_size: ranks; default: the product of the sizes given (1 when none is).
-        dp_replicate, dp_shard, cp, tp, ep: parallel sizes, resolved by `ParallelDims.resolve` like the Trainer.
-        per_device_batch, seq_len: the batch one rank sees (full sequence length; cp splits it).
+        dp_replicate: data-parallel replicas (HSDP's outer dimension); the sizes are resolved by
+            `ParallelDims.resolve` like the Trainer's.
+        dp_shard: ranks each parameter is sharded over.
+        cp: context-parallel size.
+        tp: tensor-parallel size.
+        ep: expert-parallel size.
+        per_device_batch: the samples one rank sees per micro-batch.
+        seq_len: their full sequence length (cp splits it).
         gradient_accumulation_steps: micro-batches per step (> 1: unsharded gradients stay between them).
         bf16: mixed precision (bf16 parameters in compute, fp32 gradient reduction), as `TrainingArguments.bf16`.
-        activation_checkpointing, cpu_offload, reshard_after_forward: override those fsdp_config keys
-            (activation_checkpointing: True / "full", "selective" or False, as the fsdp_config key).
+        activation_checkpointing: overrides that fsdp_config key: True / "full", "selective" or False.
+        cpu_offload: overrides that fsdp_config key.
+        reshard_after_forward: overrides that fsdp_config key.
         optimizer: "adamw_torch_fused" (the Trainer's default) or "adamw_torch".
         lora_rank: > 0: LoRA adapters of that rank on every linear layer but the head (the base frozen).
         device_memory: e.g. "80GiB": say whether the peak fits, and what would make it fit.
         target: "cuda" (NCCL; CPU offload keeps sharded state on the host) or "cpu" (gloo, whose reduce-scatter
             clones its input; everything on one memory).
-        tflops, link_gbps: the step-time rates; a missing one is measured on this machine.
+        tflops: the device's compute rate for the step time; measured on this machine when missing.
+        link_gbps: the collectives' bandwidth; measured on this machine when missing.
         estimate_step_time: False: skip the rate calibration and the step time.
         what_if: also trace the other activation-checkpointing modes (per-layer rows and advice).
         loss_chunk_size: as `TrainingArguments.loss_chunk_size`: the LM head and cross entropy run that many

@@ -57,7 +57,7 @@ from shardtrain.train.argument_checks import (  # noqa: F401 (the vocabularies: 
     fail,
 )
 
-# Hugging Face fields shardtrain implements with Hugging Face's meaning (the README table says "supported")
+# Hugging Face fields shardtrain implements with Hugging Face's meaning (the compatibility table says "supported")
 IMPLEMENTED_HF = frozenset({
     "output_dir", "do_train", "do_eval", "do_predict", "per_device_train_batch_size", "per_device_eval_batch_size",
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
@@ -87,7 +87,7 @@ class TrainingArguments(transformers.TrainingArguments):
     """Training settings: every field of `transformers.TrainingArguments`, and a few of ours.
 
     After construction `fsdp_config` is an `FSDPConfig`, `fsdp_enabled` says whether FSDP2 is applied,
-    `bf16`/`fp16` are booleans and `report_to` a list. See the module docstring and README's compatibility
+    `bf16`/`fp16` are booleans and `report_to` a list. See the module docstring and the compatibility
     table for what each Hugging Face field does here.
     """
 
@@ -306,12 +306,13 @@ class TrainingArguments(transformers.TrainingArguments):
                 warnings.warn(note, stacklevel=4)
 
 
-OURS, NOTES = hf_compat.OUR_FIELDS, hf_compat.FIELD_NOTES  # our fields; what the README table says of some
+OURS, NOTES = hf_compat.OUR_FIELDS, hf_compat.FIELD_NOTES  # our fields; what the compatibility table says of some
 IMPLEMENTED = IMPLEMENTED_HF | OURS
 
 
 def compatibility_markdown() -> str:
-    """The README's table: every Hugging Face TrainingArguments field and ours, with what each does here."""
+    """The compatibility table (docs/hugging-face.md): every Hugging Face TrainingArguments field and ours, with
+    what each does here."""
     return hf_compat.compatibility_table(hf_compat.compatibility_rows(IMPLEMENTED - OURS, OURS, NOTES))
 
 

@@ -4,7 +4,7 @@
 `HfArgumentParser` parses Hugging Face command lines unchanged. A field shardtrain does not implement, set to
 a value other than its default, either has no effect here
 (one warning lists them all) or would change results in a way shardtrain cannot honour (an error naming the
-field and what to do instead). `compatibility_table` renders this as the README's table; a test keeps the
+field and what to do instead). `compatibility_table` renders this as the table of docs/hugging-face.md; a test keeps the
 two equal.
 """
 
@@ -22,7 +22,7 @@ REFUSED: dict[str, str] = {
     "optim_target_modules": "only torch's elementwise optimizers are available",
 }
 
-# Accepted and ignored, with the reason given in the warning and the README table.
+# Accepted and ignored, with the reason given in the warning and the table of docs/hugging-face.md.
 NO_EFFECT: dict[str, str] = {
     "local_rank": "set by launchers; shardtrain reads RANK / LOCAL_RANK from torchrun",
     "eval_do_concat_batches": "evaluation predictions are always concatenated",
@@ -79,7 +79,7 @@ def check_mirrored(args: Any, implemented: set[str]) -> tuple[list[str], str | N
     warnings = []
     if ignored:
         warnings.append("these TrainingArguments fields have no effect in shardtrain and are ignored: "
-                        + ", ".join(ignored) + " (see the compatibility table in the README)")
+                        + ", ".join(ignored) + " (see the compatibility table in docs/hugging-face.md)")
     return warnings, refused
 
 
@@ -105,18 +105,21 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Fields that are ours (not Hugging Face's), and what the README's compatibility table says of some fields.
+# Fields that are ours (not Hugging Face's), and what the compatibility table (docs/hugging-face.md) says of some
+# fields.
 OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async",
               "loss_chunk_size", "pack_sequences", "predict_with_generate", "generation_max_length",
               "generation_num_beams"}
 FIELD_NOTES = {
-    "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see README)",
+    "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see docs/parallelism.md)",
     "parallelism_config": "accelerate ParallelismConfig or dict: dp_replicate/dp_shard/cp/tp sizes",
     "cp_regather_kv": "context parallel: all-gather K/V again in backward instead of keeping them (less memory)",
     "sp_size": "Ulysses sequence-parallel size (refused above 1)",
-    "tp_size": "tensor-parallel size: the model's own TP plan on the tp mesh, FSDP over the rest (see README)",
+    "tp_size": "tensor-parallel size: the model's own TP plan on the tp mesh, FSDP over the rest (see "
+               "docs/parallelism.md)",
     "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",
-    "ep_size": "expert-parallel size: MoE experts spread over ep ranks (inside dp_shard x cp x tp; see README)",
+    "ep_size": "expert-parallel size: MoE experts spread over ep ranks (inside dp_shard x cp x tp; see "
+               "docs/parallelism.md)",
     "save_async": "write checkpoints in the background (DCP async save)",
     "loss_chunk_size": "tokens per chunk of LM head + fp32 cross entropy (no full logits); 'auto'; None: off",
     "batch_eval_metrics": "compute_metrics(EvalPrediction, compute_result) after every batch, on the batch "

@@ -93,6 +93,7 @@ class MetricsLogger:
         self.tokens = self.tokens_at_start = 0
         self.started = time.perf_counter()
         self.last_logs: dict[str, Any] = {}
+        self.report_drawn = False  # a training run drew report.png: later evaluations are added to it
 
     def start(self, step: int, max_steps: int, tokens_seen: int) -> None:
         self.tokens_at_start, self.tokens, self.started = tokens_seen, tokens_seen, time.perf_counter()
@@ -147,6 +148,7 @@ class MetricsLogger:
             draw_report(self.output_dir / "metrics.jsonl", self.output_dir / "report.png")
         except ImportError:
             return  # matplotlib is an extra: pip install 'shardtrain[report]'
+        self.report_drawn = True
 
     def close(self) -> None:
         return None

@@ -131,7 +131,9 @@ class Trainer(transformers.Trainer):
         args: `TrainingArguments` (default: output_dir "trainer_output").
         data_collator: batches a list of samples; default: `DataCollatorWithPadding` when `processing_class` is
             a tokenizer (as Hugging Face), else `PaddingCollator`.
-        train_dataset / eval_dataset: map-style datasets of dicts (`datasets.Dataset` works).
+        train_dataset: a map-style dataset of dicts (`datasets.Dataset` works) or a stream
+            (`IterableDataset`, with `max_steps`).
+        eval_dataset: a map-style dataset of dicts.
         processing_class: the tokenizer/processor; its pad token is used and `save_model` saves it.
         model_init: builds the model when `model` is None.
         compute_loss_func: `fn(outputs, labels, num_items_in_batch) -> loss`, as in Hugging Face.
@@ -165,7 +167,7 @@ class Trainer(transformers.Trainer):
             raise TrainerOverrideError(
                 f"{where}.{name} overrides transformers.Trainer.{name}, which shardtrain's engine never calls (it "
                 f"is replaced by {REPLACED[name]}); remove the override, or move its work to a method the engine "
-                "calls (see the methods table in the README)")
+                "calls (see the methods table in docs/hugging-face.md)")
 
     def _overrides(self, name: str) -> bool:
         """Whether a subclass (a user's, a library's) defines `name` over shardtrain's and transformers'."""
@@ -868,6 +870,8 @@ class Trainer(transformers.Trainer):
         output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None
                                       else None, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self.log(output.metrics)
+        if self.logger.report_drawn:  # an evaluation after training (the final one) joins report.png
+            self.logger.draw_report()
         self._fire("on_evaluate", metrics=output.metrics)
         self._memory_tracker.stop_and_update_metrics(output.metrics)
         return output.metrics
