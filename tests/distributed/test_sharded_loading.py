@@ -33,8 +33,9 @@ def test_real_bert_no_rank_holds_a_full_copy(tmp_path):
     # RSS shows which rank held a full copy only when freed buffers go back to the kernel: glibc's own malloc
     # settings, not the training default that keeps up to 512 MiB cached (parallel/cpu_allocator.py)
     env = worker_env(SHARDTRAIN_CPU_ALLOCATOR="default")
-    torchrun(WORKERS / "load_bert.py", 2, str(sharded), env=env)
-    torchrun(WORKERS / "load_bert.py", 2, str(rank0), "--rank0-read", env=env)
+    # fresh processes: peak RSS is a process's high-water mark, and the allocator is set when a process starts
+    torchrun(WORKERS / "load_bert.py", 2, str(sharded), env=env, pooled=False)
+    torchrun(WORKERS / "load_bert.py", 2, str(rank0), "--rank0-read", env=env, pooled=False)
     got, old = json.loads(sharded.read_text()), json.loads(rank0.read_text())
     for result in (got, old):
         assert result["checked_keys"] > 100 and result["mismatched"] == result["missing"] == []

@@ -22,7 +22,8 @@ def run(tmp_path_factory):
                      TRACKIO_DIR=str(root / "trackio"), COMET_START_ONLINE="false",
                      COMET_OFFLINE_DIRECTORY=str(root / "comet"), SWANLAB_MODE="offline",
                      SWANLAB_LOG_DIR=str(root / "swanlog"))
-    torchrun(WORKER, 2, str(root / "out"), env=env)
+    # a fresh launch: trackers start services and read their environment once per process, and end at exit
+    torchrun(WORKER, 2, str(root / "out"), env=env, pooled=False)
     return root, read_json(root / "out" / "result.json")
 
 
