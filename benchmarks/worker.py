@@ -246,7 +246,7 @@ def _meter_trainer(stage: StageMeter, trainer: Any, total_steps: int) -> None:
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     from shardtrain.train import trainer as trainer_module
-    from shardtrain.train.loss import LossComputer
+    from shardtrain.train.step.loss import LossComputer
 
     trainer.create_optimizer_and_scheduler(total_steps)  # train() keeps an existing optimizer / scheduler
     stage.wrap(_BaseDataLoaderIter, "__next__", "data")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtrain import CheckpointManager, EvalPrediction, Trainer, TrainingArguments, destroy_distributed
-from shardtrain.train.logging import peak_memory_mb
+from shardtrain.train.metrics.logger import peak_memory_mb
 
 PAD, BOS, EOS, PLUS, EQUALS, DIGIT0 = 0, 1, 2, 3, 4, 5
 VOCAB = 32

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from shardtrain import Trainer, errors
+from shardtrain.train.args.hf_methods import methods_table
 from shardtrain.train.arguments import compatibility_markdown
-from shardtrain.train.hf_methods import methods_table
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "src" / "shardtrain"

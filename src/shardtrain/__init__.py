@@ -15,7 +15,7 @@ _EXPORTS = {
     "CheckpointError": "shardtrain.errors",
     "DataError": "shardtrain.errors",
     "CheckpointManager": "shardtrain.checkpoint.manager",
-    "EvalPrediction": "shardtrain.train.evaluation",
+    "EvalPrediction": "shardtrain.train.eval.loop",
     "FSDPConfig": "shardtrain.config.fsdp_config",
     "FSDPConfigError": "shardtrain.errors",
     "Seq2SeqTrainer": "shardtrain.seq2seq",

@@ -51,7 +51,7 @@ def test_demo_trains_and_saves(tmp_path):
     # the run's picture: drawn from metrics.jsonl at the end of train(), four panels with data
     from matplotlib.image import imread
 
-    from shardtrain.train.report import panel_series, read_metrics
+    from shardtrain.train.metrics.chart import panel_series, read_metrics
 
     assert summary["report"] == f"{out}/report.png"
     image = imread(out / "report.png")

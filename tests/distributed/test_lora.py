@@ -180,7 +180,7 @@ def test_missing_peft_is_one_clear_error(monkeypatch):
     import sys
 
     from shardtrain.errors import PeftError
-    from shardtrain.train.lora import add_adapters
+    from shardtrain.train.model.lora import add_adapters
 
     monkeypatch.setitem(sys.modules, "peft", None)  # as if it were not installed
     with pytest.raises(PeftError, match=r"pip install 'shardtrain\[peft\]'"):

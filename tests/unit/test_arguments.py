@@ -136,7 +136,7 @@ def test_activation_checkpointing_without_fsdp_is_the_models_own(tmp_path):
 
 
 def test_batch_eval_metrics_needs_a_compute_result_argument(tmp_path):
-    from shardtrain.train.argument_checks import check_compute_metrics
+    from shardtrain.train.args.checks import check_compute_metrics
 
     args = TrainingArguments(output_dir=str(tmp_path), batch_eval_metrics=True)
     with pytest.raises(TrainingArgumentsError, match="batch_eval_metrics = True .*compute_result"):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardtrain.errors import TrainingArgumentsError
-from shardtrain.train.batch_finder import out_of_memory, smaller_batch
+from shardtrain.train.step.batch_finder import out_of_memory, smaller_batch
 
 
 def test_the_batch_halves_or_takes_the_next_divisor():

@@ -9,8 +9,8 @@ from tiny_models import tiny_gpt2, tiny_llama
 from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
 from shardtrain.errors import ChunkedLossError
-from shardtrain.train.chunked_loss import chunking_blocker, parse_setting, resolve_chunk_size
-from shardtrain.train.loss import LossComputer
+from shardtrain.train.step.chunked_loss import chunking_blocker, parse_setting, resolve_chunk_size
+from shardtrain.train.step.loss import LossComputer
 
 
 def _batch(vocab: int = 64, seed: int = 5) -> dict[str, torch.Tensor]:

@@ -84,7 +84,7 @@ def test_accelerate_environment_is_read_as_shardtrain_settings():
 def test_a_stream_needs_max_steps(tmp_path):
     from torch.utils.data import IterableDataset
 
-    from shardtrain.train.streaming import check_stream_arguments, is_stream
+    from shardtrain.train.data.streaming import check_stream_arguments, is_stream
 
     class Stream(IterableDataset):
         def __iter__(self):

@@ -2,7 +2,7 @@
 
 import torch
 
-from shardtrain.train.data import BatchPlan, PaddingCollator, PlaceholderDataset, StepBatchSampler
+from shardtrain.train.data.batch_plan import BatchPlan, PaddingCollator, PlaceholderDataset, StepBatchSampler
 
 
 def _global_steps(n, batch, accum, world, seed=0, epoch=0):
@@ -95,7 +95,7 @@ def test_drop_last_leaves_out_the_short_last_global_batch_on_every_split():
 def test_a_samplers_order_is_each_epochs_order_on_every_rank():
     from torch.utils.data import RandomSampler
 
-    from shardtrain.train.data import EpochOrder
+    from shardtrain.train.data.batch_plan import EpochOrder
 
     def plan(rank: int) -> BatchPlan:  # every rank builds its own sampler from the same seed, as Hugging Face's
         sampler = RandomSampler(range(10), generator=torch.Generator().manual_seed(5))
@@ -110,7 +110,7 @@ def test_a_samplers_order_is_each_epochs_order_on_every_rank():
 
 
 def test_rank_shares_of_an_evaluation_set():
-    from shardtrain.train.evaluation import rank_share
+    from shardtrain.train.eval.loop import rank_share
 
     shares = [rank_share(74, dp_rank=r, dp_size=2, batch_size=16) for r in (0, 1)]
     assert shares[0] + shares[1] == list(range(74))

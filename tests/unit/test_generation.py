@@ -3,7 +3,7 @@
 import torch
 from tiny_models import tiny_llama
 
-from shardtrain.train.generation import generate_answers, prompts_and_answers
+from shardtrain.train.eval.generation import generate_answers, prompts_and_answers
 
 
 def test_prompt_is_everything_before_the_first_label():
@@ -30,7 +30,7 @@ def test_eval_generator_uses_the_eos_as_padding_and_refuses_a_model_that_cannot_
     from transformers import BertConfig, BertForSequenceClassification
 
     from shardtrain.errors import TrainingArgumentsError
-    from shardtrain.train.generation import eval_generator
+    from shardtrain.train.eval.generation import eval_generator
 
     model = tiny_llama().eval()
     model.generation_config.pad_token_id = None

@@ -11,7 +11,7 @@ from tiny_models import tiny_llama
 
 from shardtrain.checkpoint import hf_files
 from shardtrain.errors import CheckpointError
-from shardtrain.train.optim import build_optimizer
+from shardtrain.train.step.optim import build_optimizer
 
 
 class Payload:

@@ -1,4 +1,4 @@
-"""The method contract (`shardtrain.train.hf_methods`): every method of the installed transformers.Trainer is
+"""The method contract (`shardtrain.train.args.hf_methods`): every method of the installed transformers.Trainer is
 classified once, the documentation's table is the code's, an override of a replaced method is refused when the class is
 built (naming the method), and every TRL and sentence-transformers trainer either builds on the engine or is
 refused for a method it overrides."""
@@ -15,7 +15,7 @@ import transformers
 import shardtrain
 from shardtrain import Trainer
 from shardtrain.errors import TrainerOverrideError
-from shardtrain.train.hf_methods import AUDITED, HONOURED, INHERITED, REPLACED, hf_methods, replaced_overrides
+from shardtrain.train.args.hf_methods import AUDITED, HONOURED, INHERITED, REPLACED, hf_methods, replaced_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("compat_table", REPO / "scripts" / "compat_table.py")

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from shardtrain.train.validation import ModelLimits
+from shardtrain.train.data.validation import ModelLimits
 
 
 class RegressionConfig(PretrainedConfig):

@@ -6,7 +6,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardtrain.errors import TrainingArgumentsError
-from shardtrain.train.optim import build_optimizer, check_given_optimizer, decay_parameter_names
+from shardtrain.train.step.optim import build_optimizer, check_given_optimizer, decay_parameter_names
 
 
 def _tiny_llama() -> LlamaForCausalLM:

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny_models import tiny_qwen3_moe
 
-from shardtrain.train.loss import LossComputer
-from shardtrain.train.router_loss import RouterLoss
+from shardtrain.train.step.loss import LossComputer
+from shardtrain.train.step.router_loss import RouterLoss
 
 
 def _batch():

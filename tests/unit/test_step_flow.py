@@ -6,7 +6,7 @@ import torch
 from transformers import TrainerState
 
 from shardtrain import TrainingArguments
-from shardtrain.train.step_flow import BestMetric, LossWindow, nan_inf_filtered
+from shardtrain.train.step.step_flow import BestMetric, LossWindow, nan_inf_filtered
 
 
 def test_logging_nan_inf_filter_follows_transformers_accumulation():

@@ -74,7 +74,7 @@ def optimizer_state_by_name(saved: dict[str, Any], optimizer: torch.optim.Optimi
     """`optimizer.pt`'s state (parameters by position) keyed by parameter name instead, the full state dict that
     `torch.distributed.checkpoint.state_dict.set_optimizer_state_dict(full_state_dict=True)` shards into
     `optimizer`. Positions are matched group by group: Hugging Face's groups (weight decay, then none) are the
-    ones `shardtrain.train.optim.build_optimizer` builds, in the same parameter order.
+    ones `shardtrain.train.step.optim.build_optimizer` builds, in the same parameter order.
 
     Raises:
         CheckpointError: the groups or a state's shape differ (another model, or another optimizer grouping).

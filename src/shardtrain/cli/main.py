@@ -42,8 +42,8 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Entry of `shardtrain report`: `shardtrain.train.report` (imported lazily)."""
-    from shardtrain.train.report import main as report_main
+    """Entry of `shardtrain report`: `shardtrain.train.metrics.chart` (imported lazily)."""
+    from shardtrain.train.metrics.chart import main as report_main
 
     return report_main([args.output_dir, *(["--out", args.out] if args.out else [])])
 

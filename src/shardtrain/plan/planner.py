@@ -152,11 +152,11 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise PlanError(f"lora_rank = {lora_rank!r} must be an int >= 0 (0: no LoRA)")
     if lora_rank:
-        from shardtrain.train.lora import require_peft
+        from shardtrain.train.model.lora import require_peft
 
         require_peft()  # a clear error when peft is missing
     for size_name, size in (("tp", tp), ("ep", ep)):
-        if lora_rank and size > 1:  # as the Trainer (train/model_preparation.py)
+        if lora_rank and size > 1:  # as the Trainer (train/model/preparation.py)
             raise PlanError(f"lora_rank = {lora_rank} with {size_name} = {size}: the Trainer does not train LoRA "
                             f"adapters with {size_name}_size > 1 yet; plan the adapters with data (and context) "
                             f"parallelism, {size_name} = 1")
@@ -172,7 +172,7 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     precision = "bf16" if bf16 else (config.mixed_precision or "no")
     try:
         from shardtrain.errors import ChunkedLossError
-        from shardtrain.train.chunked_loss import parse_setting
+        from shardtrain.train.step.chunked_loss import parse_setting
 
         loss_chunk_size = parse_setting(loss_chunk_size)
     except ChunkedLossError as err:

@@ -119,7 +119,7 @@ def with_adapters(model: nn.Module, lora_rank: int) -> nn.Module:
         return model
     from peft import LoraConfig
 
-    from shardtrain.train.lora import add_adapters
+    from shardtrain.train.model.lora import add_adapters
 
     return add_adapters(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules="all-linear",
                                           task_type="CAUSAL_LM"))
@@ -171,7 +171,7 @@ class _Probe:
     def __init__(self, model: nn.Module, tracker: Any, chunked: bool = False) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        from shardtrain.train.chunked_loss import output_head
+        from shardtrain.train.step.chunked_loss import output_head
 
         self.tracker, self.layers, self.logits, self.after_forward, self.loss_buffers = tracker, [], 0, 0, 0
         self._logits_ref: weakref.ref | None = None
@@ -253,10 +253,10 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardtrain.train.chunked_loss import resolve_chunk_size
-    from shardtrain.train.loss import LossComputer
-    from shardtrain.train.optim import build_optimizer, decay_parameter_names
-    from shardtrain.train.step_runner import StepRunner
+    from shardtrain.train.step.chunked_loss import resolve_chunk_size
+    from shardtrain.train.step.loss import LossComputer
+    from shardtrain.train.step.optim import build_optimizer, decay_parameter_names
+    from shardtrain.train.step.step_runner import StepRunner
 
     if dist.is_initialized():
         raise PlanError("shardtrain.plan() runs its own fake process group; call it before init_distributed() (or "

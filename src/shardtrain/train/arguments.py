@@ -43,8 +43,8 @@ from shardtrain.errors import (
     UserError,
     install_error_hook,
 )
-from shardtrain.train import hf_compat
-from shardtrain.train.argument_checks import (  # noqa: F401 (the vocabularies: re-exported)
+from shardtrain.train.args import hf_fields as hf_compat
+from shardtrain.train.args.checks import (  # noqa: F401 (the vocabularies: re-exported)
     COMPILE_MODES,
     OPTIMIZERS,
     SCHEDULERS,

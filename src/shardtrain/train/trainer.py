@@ -72,38 +72,38 @@ from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.parallel.states import TorchStates
-from shardtrain.train.argument_checks import check_compute_metrics
+from shardtrain.train.args.checks import check_compute_metrics
+from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides
+from shardtrain.train.args.preflight import DatasetChecks, check_training_inputs, resolve_resume
 from shardtrain.train.arguments import (
     TrainingArguments,
     engine_arguments,
     take_accumulation_from_accelerator_config,
 )
-from shardtrain.train.batch_finder import out_of_memory, smaller_batch
-from shardtrain.train.chunked_loss import resolve_chunk_size
-from shardtrain.train.collation import Collators
-from shardtrain.train.data import BatchPlan, forward_columns
-from shardtrain.train.evaluation import EvalLoop, eval_loader, loader_source
-from shardtrain.train.generation import eval_generator
-from shardtrain.train.hf_methods import REPLACED, owner, replaced_overrides
+from shardtrain.train.data.batch_plan import BatchPlan, forward_columns
+from shardtrain.train.data.collation import Collators
+from shardtrain.train.data.packing import check_packing
+from shardtrain.train.data.streaming import StreamPlan, check_stream_arguments, is_stream
+from shardtrain.train.data.training_data import TrainingData
+from shardtrain.train.data.user_loader import LoaderPlan
+from shardtrain.train.data.validation import ModelLimits, agree, writable_problem
+from shardtrain.train.eval.generation import eval_generator
+from shardtrain.train.eval.loop import EvalLoop, eval_loader, loader_source
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
-from shardtrain.train.logging import MEASURED_KEYS, MetricsLogger, rank0_trackers
-from shardtrain.train.lora import adapter_files
-from shardtrain.train.loss import LossComputer
-from shardtrain.train.model_export import ModelExport, write_model_card
-from shardtrain.train.model_preparation import SIDE_MODELS, ModelPreparation
-from shardtrain.train.optim import build_optimizer, build_scheduler, check_given_optimizer, steps_on_metric
-from shardtrain.train.optimizer_step import OptimizerStep, StepResult
-from shardtrain.train.packing import check_packing
-from shardtrain.train.preemption import EXIT_CODE, Preempted, PreemptionHandler
-from shardtrain.train.preflight import DatasetChecks, check_training_inputs, resolve_resume
-from shardtrain.train.router_loss import RouterLoss
+from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_trackers
+from shardtrain.train.model.export import ModelExport, write_model_card
+from shardtrain.train.model.lora import adapter_files
+from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
-from shardtrain.train.step_flow import BestMetric, LossWindow
-from shardtrain.train.step_runner import StepRunner
-from shardtrain.train.streaming import StreamPlan, check_stream_arguments, is_stream
-from shardtrain.train.training_data import TrainingData
-from shardtrain.train.user_loader import LoaderPlan
-from shardtrain.train.validation import ModelLimits, agree, writable_problem
+from shardtrain.train.step.batch_finder import out_of_memory, smaller_batch
+from shardtrain.train.step.chunked_loss import resolve_chunk_size
+from shardtrain.train.step.loss import LossComputer
+from shardtrain.train.step.optim import build_optimizer, build_scheduler, check_given_optimizer, steps_on_metric
+from shardtrain.train.step.optimizer_step import OptimizerStep, StepResult
+from shardtrain.train.step.preemption import EXIT_CODE, Preempted, PreemptionHandler
+from shardtrain.train.step.router_loss import RouterLoss
+from shardtrain.train.step.step_flow import BestMetric, LossWindow
+from shardtrain.train.step.step_runner import StepRunner
 
 
 def set_seed(seed: int) -> None:
@@ -146,7 +146,7 @@ class Trainer(transformers.Trainer):
             Face's weight-decay grouping.
         preprocess_logits_for_metrics: `fn(logits, labels) -> tensor` applied per batch before gathering.
         peft_config: a `peft` config (e.g. `LoraConfig`): adapters are added before FSDP and only they train
-            (as TRL's trainers); a `PeftModel` passed as `model` works the same. See `shardtrain.train.lora`.
+            (as TRL's trainers); a `PeftModel` passed as `model` works the same. See `shardtrain.train.model.lora`.
     """
 
     # a causal LM batch without labels learns every token; a library's trainer (shardtrain.on_engine) gets its

@@ -26,7 +26,7 @@ from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen3_moe, variable_length_d
 from shardtrain import Trainer, TrainingArguments
 from shardtrain.errors import UserError
 from shardtrain.parallel.distributed import barrier, init_distributed
-from shardtrain.train.data import PaddingCollator
+from shardtrain.train.data.batch_plan import PaddingCollator
 
 DATA = variable_length_dataset(n=32)
 BASE = {"fsdp": True, "max_steps": 2, "per_device_train_batch_size": 4, "save_strategy": "no",

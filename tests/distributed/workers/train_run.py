@@ -31,7 +31,7 @@ import torch
 from tiny_models import tiny_gpt2, tiny_llama, tiny_qwen2, tiny_qwen3_moe, variable_length_dataset
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
-from shardtrain.train.data import PaddingCollator
+from shardtrain.train.data.batch_plan import PaddingCollator
 
 
 class StopAfter(TrainerCallback):

@@ -19,7 +19,7 @@ import transformers
 from tiny_models import tiny_llama, variable_length_dataset
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
-from shardtrain.train.data import BatchPlan, PaddingCollator
+from shardtrain.train.data.batch_plan import BatchPlan, PaddingCollator
 
 STEPS, BATCH, ACCUM, LR, DECAY, CLIP = 3, 4, 2, 1e-2, 0.1, 0.5
 

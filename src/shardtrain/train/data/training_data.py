@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from shardtrain.errors import DataError
-from shardtrain.train.data import (
+from shardtrain.train.data.batch_plan import (
     BatchPlan,
     CollatingDataset,
     EpochOrder,
@@ -31,9 +31,9 @@ from shardtrain.train.data import (
     derive_seed,
     passthrough,
 )
-from shardtrain.train.streaming import StreamPlan, is_stream
-from shardtrain.train.user_loader import OVERRIDE_WARNING, LoaderPlan
-from shardtrain.train.validation import agree, over_data_ranks, per_rank
+from shardtrain.train.data.streaming import StreamPlan, is_stream
+from shardtrain.train.data.user_loader import OVERRIDE_WARNING, LoaderPlan
+from shardtrain.train.data.validation import agree, over_data_ranks, per_rank
 
 Plan = BatchPlan | StreamPlan | LoaderPlan
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.expert import rescale_expert_grads
-from shardtrain.train.optim import normalize_and_clip_grads
+from shardtrain.train.step.optim import normalize_and_clip_grads
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,7 +45,7 @@ def scalar_logs(logs: dict[str, Any]) -> dict[str, Any]:
 
 def rank0_trackers(report_to: list[str], rank: int) -> list[TrainerCallback]:
     """`tracker_callbacks` on rank 0 (none elsewhere); a tracker that cannot start raises on every rank."""
-    from shardtrain.train.validation import agree
+    from shardtrain.train.data.validation import agree
 
     problem, trackers = None, []
     try:
@@ -142,7 +142,7 @@ class MetricsLogger:
         """output_dir/report.png from metrics.jsonl (rank 0, when matplotlib is installed)."""
         if not self.is_main:
             return
-        from shardtrain.train.report import draw_report
+        from shardtrain.train.metrics.chart import draw_report
 
         try:
             draw_report(self.output_dir / "metrics.jsonl", self.output_dir / "report.png")

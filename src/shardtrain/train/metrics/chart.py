@@ -2,7 +2,7 @@
 and throughput with peak memory.
 
     shardtrain report OUTPUT_DIR              # draws OUTPUT_DIR/report.png from OUTPUT_DIR/metrics.jsonl
-    python -m shardtrain.train.report OUTPUT_DIR
+    python -m shardtrain.train.metrics.chart OUTPUT_DIR
 
 The Trainer draws it at the end of `train()` on rank 0 when matplotlib is installed (`pip install
 shardtrain[report]`). Memory is what metrics.jsonl names in `memory_kind`: the allocator's high-water mark on

@@ -23,10 +23,10 @@ import torch
 
 from shardtrain.errors import DataError
 from shardtrain.parallel.runtime import Runtime
-from shardtrain.train.loss import LossComputer
-from shardtrain.train.optim import steps_on_metric
-from shardtrain.train.preemption import Preempted, PreemptionHandler
-from shardtrain.train.step_runner import StepRunner
+from shardtrain.train.step.loss import LossComputer
+from shardtrain.train.step.optim import steps_on_metric
+from shardtrain.train.step.preemption import Preempted, PreemptionHandler
+from shardtrain.train.step.step_runner import StepRunner
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ import torch
 from shardtrain.checkpoint.layout import PREFIX, SHARDED_DIR
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
-from shardtrain.train.validation import ModelLimits, validate_dataset
+from shardtrain.train.data.validation import ModelLimits, validate_dataset
 
 
 def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart_count: int, fsdp_enabled: bool,

@@ -27,7 +27,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from shardtrain.errors import TrainingArgumentsError
-from shardtrain.train.data import PlaceholderDataset, derive_seed, isolated_rng
+from shardtrain.train.data.batch_plan import PlaceholderDataset, derive_seed, isolated_rng
 
 
 def is_stream(dataset: Any) -> bool:

@@ -19,8 +19,8 @@ from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_check
 from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
 from shardtrain.checkpoint.model_state import model_config_dict
 from shardtrain.errors import OutputDirError
-from shardtrain.train.lora import is_peft_model, merged_state, write_adapter
-from shardtrain.train.validation import agree, writable_problem
+from shardtrain.train.data.validation import agree, writable_problem
+from shardtrain.train.model.lora import is_peft_model, merged_state, write_adapter
 
 
 class ModelExport:

@@ -21,7 +21,7 @@ from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
-from shardtrain.train.data import (
+from shardtrain.train.data.batch_plan import (
     CollatingDataset,
     PlaceholderDataset,
     SeededIndices,
@@ -29,9 +29,9 @@ from shardtrain.train.data import (
     isolated_rng,
     passthrough,
 )
-from shardtrain.train.loss import LossComputer, batch_rows
-from shardtrain.train.streaming import is_stream
-from shardtrain.train.validation import over_data_ranks, per_rank
+from shardtrain.train.data.streaming import is_stream
+from shardtrain.train.data.validation import over_data_ranks, per_rank
+from shardtrain.train.step.loss import LossComputer, batch_rows
 
 
 def _first_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:

@@ -13,10 +13,10 @@ from typing import Any
 
 from torch import nn
 
-from shardtrain.train.data import ColumnFilter, PaddingCollator
-from shardtrain.train.loss import is_causal_lm
-from shardtrain.train.packing import packing_collator
-from shardtrain.train.validation import ModelLimits
+from shardtrain.train.data.batch_plan import ColumnFilter, PaddingCollator
+from shardtrain.train.data.packing import packing_collator
+from shardtrain.train.data.validation import ModelLimits
+from shardtrain.train.step.loss import is_causal_lm
 
 
 def default_collator(model: nn.Module, processing_class: Any, *, packed: bool = False,

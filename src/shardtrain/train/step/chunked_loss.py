@@ -12,7 +12,7 @@ output as `logits` untouched (read from its source: `logits = self.<head>(x)` on
 on), and no config key of a known logit post-processing (soft-capping, scaling) is set. `chunking_blocker`
 says why not otherwise.
 
-    from shardtrain.train.chunked_loss import chunking_blocker, resolve_chunk_size, chunked_cross_entropy
+    from shardtrain.train.step.chunked_loss import chunking_blocker, resolve_chunk_size, chunked_cross_entropy
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def check_choices(args: Any) -> None:
         if getattr(args, name) not in allowed:
             fail(name, f"got {getattr(args, name)!r}; allowed values: {list(allowed)}")
     from shardtrain.errors import ChunkedLossError
-    from shardtrain.train.chunked_loss import parse_setting
+    from shardtrain.train.step.chunked_loss import parse_setting
 
     try:  # off, tokens per chunk or "auto" (a command line gives text)
         args.loss_chunk_size = parse_setting(args.loss_chunk_size)

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardtrain.errors import TrainingArgumentsError
 from shardtrain.model_facts import base_model
-from shardtrain.train.loss import is_causal_lm
+from shardtrain.train.step.loss import is_causal_lm
 
 
 def check_packing(model: nn.Module, data_collator: Any, *, use_cache: bool) -> None:

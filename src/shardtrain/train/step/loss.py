@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from shardtrain.errors import ChunkedLossError, LossError
 from shardtrain.model_facts import IGNORE_INDEX, TARGET_KEYS
 from shardtrain.parallel.context import SHARD_KWARG
-from shardtrain.train.chunked_loss import chunked_cross_entropy, head_returns_input, output_head
+from shardtrain.train.step.chunked_loss import chunked_cross_entropy, head_returns_input, output_head
 
 
 def is_causal_lm(model: nn.Module) -> bool:

@@ -24,9 +24,9 @@ from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.loading import load_pretrained
 from shardtrain.parallel.runtime import Runtime
-from shardtrain.train.lora import add_adapters, is_peft_model
-from shardtrain.train.loss import LossComputer, is_causal_lm
-from shardtrain.train.router_loss import RouterLoss
+from shardtrain.train.model.lora import add_adapters, is_peft_model
+from shardtrain.train.step.loss import LossComputer, is_causal_lm
+from shardtrain.train.step.router_loss import RouterLoss
 
 # attributes where libraries built on Hugging Face's Trainer keep frozen models next to the trained one
 SIDE_MODELS = ("ref_model", "teacher_model", "reward_model")
