@@ -1,6 +1,6 @@
 """How long a checkpoint save blocks the training loop: synchronous vs `save_async=True`, side by side.
 
-    .venv/bin/python benchmarks/async_save.py --repeats 2 --out benchmarks/async_save.json  # 50m, ~3 min
+    .venv/bin/python benchmarks/async_save.py --repeats 2 --out benchmarks/results/async_save.json  # 50m, ~3 min
     .venv/bin/python benchmarks/async_save.py --size tiny --steps 8 --save-every 2 --out /tmp/a.json
     .venv/bin/python benchmarks/async_save.py --repeats 2 --kinds SHARDED_STATE_DICT --out /tmp/a.json
 

@@ -1,7 +1,7 @@
 """Chunked vs unchunked cross entropy (`TrainingArguments.loss_chunk_size`): measured training-step memory on
 2 FSDP2 ranks beside the planner's prediction, for a 128k-vocabulary tiny Llama.
 
-    .venv/bin/python benchmarks/chunked_loss.py --out benchmarks/chunked_loss.json     # ~2 min, 2 ranks
+    .venv/bin/python benchmarks/chunked_loss.py --out benchmarks/results/chunked_loss.json     # ~2 min, 2 ranks
 
 One `python -m torch.distributed.run --nproc_per_node 2` launch of this file (`--worker`, gloo) trains the model
 (LlamaConfig(vocab_size=128256, hidden_size=32, 2 layers, untied) with `Trainer(fsdp=True)`, per-device batch
@@ -194,7 +194,7 @@ def run() -> dict:
                            "step peak minus the count before the model was built; loss part = peak between the "
                            "head's input and its gradient minus the count at its start; max over steps and ranks",
             "prediction": "shardtrain.plan.plan(target='cpu', loss_chunk_size=...): rank 0 traced on fake tensors",
-            "command": "python benchmarks/chunked_loss.py --out benchmarks/chunked_loss.json",
+            "command": "python benchmarks/chunked_loss.py --out benchmarks/results/chunked_loss.json",
             "wall_s": round(time.perf_counter() - start, 1)}
 
 

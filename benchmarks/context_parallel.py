@@ -1,6 +1,6 @@
 """Activation memory and step time of one long sequence: cp=1 vs cp=2 (and cp=2 re-gathering K/V in backward).
 
-    .venv/bin/python benchmarks/context_parallel.py --out benchmarks/context_parallel.json   # ~3 min, 2 ranks
+    .venv/bin/python benchmarks/context_parallel.py --out benchmarks/results/context_parallel.json   # ~3 min, 2 ranks
     .venv/bin/python benchmarks/context_parallel.py --seq 512 --steps 2 --out /tmp/cp.json   # quick
 
 One `python -m torch.distributed.run --nproc_per_node 2` launch of this file (`--worker`, gloo, OMP_NUM_THREADS=1

@@ -1,6 +1,6 @@
 """Expert parallelism: per-rank expert bytes and step time of a small Qwen3-MoE under the Trainer, ep 1 / 2 / 4.
 
-    .venv/bin/python benchmarks/expert_parallel.py --out benchmarks/expert_parallel.json    # ~2 min, 4 ranks
+    .venv/bin/python benchmarks/expert_parallel.py --out benchmarks/results/expert_parallel.json    # ~2 min, 4 ranks
 
 One `python -m torch.distributed.run --nproc_per_node 4` launch of this file (`--worker`, gloo) trains the same
 MoE (8 experts, top-2, load-balancing loss on; `MOE` below) with `shardtrain.Trainer` three ways, 6 steps each:

@@ -1,6 +1,6 @@
 """Model-state bytes per rank: LoRA vs full fine-tuning of the 50M benchmark Llama under FSDP2, side by side.
 
-    .venv/bin/python benchmarks/lora_memory.py --out benchmarks/lora_memory.json    # ~1 min, 2 ranks
+    .venv/bin/python benchmarks/lora_memory.py --out benchmarks/results/lora_memory.json    # ~1 min, 2 ranks
     .venv/bin/python benchmarks/lora_memory.py --size tiny --out /tmp/lora.json
 
 One `python -m torch.distributed.run --nproc_per_node 2` launch of this file (`--worker`, gloo) builds the model

@@ -1,7 +1,7 @@
 """The planner's load / save rows against the measured host memory of `sharded_load.py` and `sharded_save.py`.
 
-    .venv/bin/python benchmarks/plan_lifecycle.py --out benchmarks/plan_lifecycle.json            # ~30 s
-    .venv/bin/python benchmarks/plan_lifecycle.py --measure --out benchmarks/plan_lifecycle.json  # + small runs
+    .venv/bin/python benchmarks/plan_lifecycle.py --out benchmarks/results/plan_lifecycle.json            # ~30 s
+    .venv/bin/python benchmarks/plan_lifecycle.py --measure --out benchmarks/results/plan_lifecycle.json  # + small runs
 
 For each measured benchmark JSON, the planner traces the benchmark's own model (same config, same ranks, same
 wrap) and its load / save formulas (`shardtrain.plan.lifecycle`) predict the per-rank peak resident growth the
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"  # the measured JSON files
 MIB = 2**20
 TOLERANCE = 0.10
 SLACK = 16 * MIB
@@ -146,19 +147,19 @@ def main() -> None:
     if cli.measure:
         for name, command in {**LOADS, **SAVES}.items():
             if command:
-                subprocess.run([sys.executable, str(HERE / command[0]), *command[1:], "--out", str(HERE / name)],
+                subprocess.run([sys.executable, str(HERE / command[0]), *command[1:], "--out", str(RESULTS / name)],
                                check=True, env=env, stdout=subprocess.DEVNULL)
     result: dict[str, Any] = {"benchmark": "plan_lifecycle", "tolerance": {"relative": TOLERANCE,
                                                                            "absolute_bytes": SLACK},
                               "weight_maps": {}, "rows": []}
     for name in LOADS:
-        measured = json.loads((HERE / name).read_text())
+        measured = json.loads((RESULTS / name).read_text())
         weight_map = weight_map_of(measured["size"])
         result["weight_maps"][name] = weight_map
         tensors = layout(load_config(measured["size"]), measured["nproc"])
         result["rows"] += _rows(name, predict_load(tensors, weight_map), measured_load(measured))
     for name in SAVES:
-        measured = json.loads((HERE / name).read_text())
+        measured = json.loads((RESULTS / name).read_text())
         tensors = layout(save_config(measured["model"]), measured["ranks"])
         total = sum(t.full_bytes for t in tensors)
         result["rows"] += _rows(name, predict_save(tensors, measured["ranks"], total), measured_save(measured))

@@ -1,6 +1,6 @@
 """`shardtrain plan` at 64 and 512 ranks for Llama-3-70B and Qwen3-235B-A22B shapes: tables, wall time, host RSS.
 
-    .venv/bin/python benchmarks/plan_scale.py --out benchmarks/plan_scale.json          # ~6 min per case here
+    .venv/bin/python benchmarks/plan_scale.py --out benchmarks/results/plan_scale.json          # ~6 min per case here
     .venv/bin/python benchmarks/plan_scale.py --cases "llama3_70b N64" --out /tmp/s.json
 
 The configs are written by hand from the published shapes (`benchmarks/configs/*.json`; nothing is

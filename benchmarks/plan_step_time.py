@@ -1,6 +1,6 @@
 """`shardtrain plan`'s predicted step time against measured Trainer steps on this machine, side by side.
 
-    .venv/bin/python benchmarks/plan_step_time.py --out benchmarks/plan_step_time.json        # ~5 min
+    .venv/bin/python benchmarks/plan_step_time.py --out benchmarks/results/plan_step_time.json        # ~5 min
     .venv/bin/python benchmarks/plan_step_time.py --sizes tiny --steps 5 --out /tmp/st.json  # a quick look
 
 For each model size (`bench_common.SIZES`): the planner's step time (traced FLOPs / a matmul rate measured here,

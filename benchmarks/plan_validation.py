@@ -1,6 +1,6 @@
 """`shardtrain plan`'s predicted per-rank peak against the peak measured in real Trainer runs (torchrun, gloo).
 
-    .venv/bin/python benchmarks/plan_validation.py --out benchmarks/plan_validation.json   # every config
+    .venv/bin/python benchmarks/plan_validation.py --out benchmarks/results/plan_validation.json   # every config
     .venv/bin/python benchmarks/plan_validation.py --configs tiny --out /tmp/v.json          # the test's subset
 
 Prints one JSON object (predicted and measured side by side per config) and writes it to --out. Each group of

@@ -1,6 +1,6 @@
 """Activation memory and step time of no / selective / full activation checkpointing, measured and as planned.
 
-    .venv/bin/python benchmarks/selective_ac.py --out benchmarks/selective_ac.json     # ~2 min on 2 cores
+    .venv/bin/python benchmarks/selective_ac.py --out benchmarks/results/selective_ac.json     # ~2 min on 2 cores
     .venv/bin/python benchmarks/selective_ac.py --steps 3 --out /tmp/sac.json           # shorter
 
 Each mode runs in its own process (`torch.distributed.run --nproc_per_node 1`, gloo, 1 thread, so peak RSS

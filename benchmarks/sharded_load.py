@@ -1,6 +1,6 @@
 """Host memory of loading a pretrained model under FSDP2: each rank reading its slices vs rank 0 reading all.
 
-    .venv/bin/python benchmarks/sharded_load.py --out benchmarks/sharded_load.json     # ~3 min, 4 ranks
+    .venv/bin/python benchmarks/sharded_load.py --out benchmarks/results/sharded_load.json     # ~3 min, 4 ranks
     .venv/bin/python benchmarks/sharded_load.py --size small --nproc 2 --out /tmp/load.json
 
 Writes a Llama-shaped model once (`--size big`: hidden 2048, 3 layers, vocab 32000, untied: 285M parameters,

@@ -1,6 +1,6 @@
 """Per-rank memory of `Trainer.save_model`: the sharded path next to the old gather-to-rank-0 path, one launch.
 
-    .venv/bin/python benchmarks/sharded_save.py --out benchmarks/sharded_save.json       # ~100 s, 4 ranks
+    .venv/bin/python benchmarks/sharded_save.py --out benchmarks/results/sharded_save.json       # ~100 s, 4 ranks
     .venv/bin/python benchmarks/sharded_save.py --layers 2 --hidden 512 --out /tmp/s.json  # quick look
 
 One `python -m torch.distributed.run --nproc_per_node 4` launch of this file (`--worker`, gloo, 1 thread per

@@ -245,7 +245,7 @@ def _meter_trainer(stage: StageMeter, trainer: Any, total_steps: int) -> None:
     """Time the Trainer's callees by stage (same names as the raw loop's stages where they match)."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    from shardtrain.train import trainer as trainer_module
+    from shardtrain.train.step import optimizer_step as step_module
     from shardtrain.train.step.loss import LossComputer
 
     trainer.create_optimizer_and_scheduler(total_steps)  # train() keeps an existing optimizer / scheduler
@@ -253,7 +253,7 @@ def _meter_trainer(stage: StageMeter, trainer: Any, total_steps: int) -> None:
     stage.wrap(LossComputer, "local_counts", "local token counts")
     stage.wrap(LossComputer, "__call__", "forward + loss")
     stage.wrap(torch.Tensor, "backward", "backward")
-    stage.wrap(trainer_module, "normalize_and_clip_grads", "clip grad norm (+ token count all_reduce)")
+    stage.wrap(step_module, "clip_grads", "clip grad norm (one all_reduce)")
     stage.wrap(trainer.optimizer, "step", "optimizer.step")
     stage.wrap(trainer.lr_scheduler, "step", "lr_scheduler.step")
     stage.wrap(trainer.optimizer, "zero_grad", "zero_grad")

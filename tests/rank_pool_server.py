@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,7 +55,7 @@ class SavedState:
 
     def __init__(self) -> None:
         self.environ, self.argv, self.path, self.cwd = dict(os.environ), list(sys.argv), list(sys.path), os.getcwd()
-        self.filters = list(__import__("warnings").filters)
+        self.filters = list(warnings.filters)
         manager = logging.Logger.manager
         self.loggers = {name: (lg.level, list(lg.handlers), lg.propagate, lg.disabled)
                         for name, lg in [("", logging.root), *manager.loggerDict.items()]
@@ -65,8 +66,6 @@ class SavedState:
         self.hook = sys.excepthook
 
     def restore(self) -> None:
-        import warnings
-
         os.environ.clear()
         os.environ.update(self.environ)
         sys.argv[:], sys.path[:] = self.argv, self.path
@@ -121,13 +120,15 @@ def forget_old_meshes() -> None:
             if hasattr(value, "cache_clear") and not isinstance(value, type):
                 value.cache_clear()
 
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed"):
-            continue
-        clear(module)
-        for value in list(vars(module).values()):
-            if isinstance(value, type) and value.__module__ == name:
-                clear(value)
+    with warnings.catch_warnings():  # reading a deprecated attribute (torch.distributed.reduce_op) warns
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith("torch.distributed"):
+                continue
+            clear(module)
+            for value in list(vars(module).values()):
+                if isinstance(value, type) and value.__module__ == name:
+                    clear(value)
     from torch.distributed.tensor import DTensor
 
     clear(DTensor._op_dispatcher.sharding_propagator)

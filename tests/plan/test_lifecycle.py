@@ -158,14 +158,14 @@ def _benchmark_module():
 def test_load_and_save_rows_match_the_measured_benchmarks():
     """The formulas redone on the benchmarks' own models and files, against their measured RSS growth."""
     bench = _benchmark_module()
-    stored = json.loads((REPO / "benchmarks" / "plan_lifecycle.json").read_text())
+    stored = json.loads((REPO / "benchmarks" / "results" / "plan_lifecycle.json").read_text())
     predicted = {}
     for name in bench.LOADS:
-        measured = json.loads((REPO / "benchmarks" / name).read_text())
+        measured = json.loads((REPO / "benchmarks" / "results" / name).read_text())
         tensors = bench.layout(bench.load_config(measured["size"]), measured["nproc"])
         predicted[name] = bench.predict_load(tensors, stored["weight_maps"][name]), bench.measured_load(measured)
     for name in bench.SAVES:
-        measured = json.loads((REPO / "benchmarks" / name).read_text())
+        measured = json.loads((REPO / "benchmarks" / "results" / name).read_text())
         tensors = bench.layout(bench.save_config(measured["model"]), measured["ranks"])
         total = sum(t.full_bytes for t in tensors)
         predicted[name] = bench.predict_save(tensors, measured["ranks"], total), bench.measured_save(measured)

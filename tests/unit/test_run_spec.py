@@ -78,3 +78,25 @@ def test_model_facts_find_tied_weights_one_way():
     assert ["model.embed_tokens.weight", "lm_head.weight"] in tied_groups(tied)
     assert tied_aliases(untied) == {} and tied_parameter_ids(untied) == set()
     assert tied_embedding_modules(untied) == set()
+
+
+def test_no_module_imports_itself_back():
+    """No import circle between the package's modules (imports inside functions and type-only ones count)."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[module] = {node.module for node in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardtrain")}
+    circles = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        for imported in graph.get(module, ()):
+            if imported in path:
+                circles.add(" -> ".join(path[path.index(imported):] + [imported]))
+            elif imported in graph and len(path) < 10:
+                visit(imported, [*path, imported])
+
+    for module in graph:
+        visit(module, [module])
+    assert circles == set()

@@ -42,7 +42,7 @@ in Python at each save, which on the 50m benchmark model costs as much as the co
 copy of this rank's model + optimizer shard held for the life of the Trainer (pinned when CUDA is present).
 Thread, not process, executor: no second process, process group or shared-memory copy. The background thread
 shares the GIL and the CPU with the training loop; on a machine whose cores all train (the CPU benchmark),
-steps that run while a save is in flight are slower (see benchmarks/async_save.json).
+steps that run while a save is in flight are slower (see benchmarks/results/async_save.json).
 """
 
 from __future__ import annotations

@@ -20,41 +20,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.config.run_spec import RunSpec
+from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.distributed import current_device, init_distributed
-from shardtrain.parallel.expert import apply_ep, without_experts
-from shardtrain.parallel.fsdp import apply_fsdp
+from shardtrain.parallel.layout import Layout, apply_layout
 from shardtrain.parallel.loading import fill_from_rank0, has_meta_tensors, meta_source, read_from_source
 from shardtrain.parallel.states import TorchStates
-from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 # where a model object's weights come from (`TrainingBackend._weight_source`; else a directory and its read plan)
 IN_MODEL, RANK0 = "in_model", "rank0"
-
-
-def apply_parallelism(model: nn.Module, meshes: Any, dims: Any, fsdp_config: Any, *,
-                      tp_plan: dict[str, str] | None = None, mixed_precision: str | None = None,
-                      compile_options: dict[str, Any] | None = None, ep_implementation: str = "all_to_all",
-                      ) -> nn.Module:
-    """Tensor parallel, expert parallel, then activation checkpointing, compile and FSDP per unit (`apply_fsdp`),
-    in place: torchtitan's order, the one the Trainer applies and `shardtrain plan` traces.
-
-    Args:
-        model: the unsharded model on its device (context parallelism already enabled).
-        meshes, dims: `ParallelDims.build(...)`'s meshes and the sizes.
-        fsdp_config: the parsed `FSDPConfig`.
-        tp_plan: the user's tensor-parallel plan (each pattern must match a module) or None: the model's own.
-        mixed_precision: "bf16"/"fp16" or None/"no".
-        compile_options: `torch.compile` options per FSDP unit, or None (eager).
-        ep_implementation: transformers' `EPImplementationInterface` entry for the experts' token exchange.
-    """
-    if dims.tp > 1:
-        plan = tp_plan if tp_plan is not None else model_tp_plan(model)
-        apply_tp(model, meshes.tp, without_experts(model, plan) if dims.ep > 1 else plan, strict=tp_plan is not None)
-    if dims.ep > 1:
-        apply_ep(model, meshes.ep, meshes.tp, ep_implementation=ep_implementation)
-    apply_fsdp(model, fsdp_config, meshes.fsdp, mixed_precision=mixed_precision, expert_mesh=meshes.efsdp,
-               expert_grad_divide_factor=dims.grad_average_size, compile_options=compile_options)
-    return model
 
 
 class TrainingBackend:
@@ -81,7 +54,7 @@ class TrainingBackend:
         """The device type of the process group for host-side agreement (meshes, barriers)."""
         return self.device.type
 
-    def check(self, model: Any, dims: Any) -> None:
+    def check(self, model: Any, dims: ParallelDims) -> None:
         """Refuse settings (and a `model`: a module, a path or None) this backend does not support under the
         `dims` layout, before the model is touched."""
 
@@ -90,14 +63,14 @@ class TrainingBackend:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
 
-    def parallelize(self, model: nn.Module, meshes: Any, dims: Any, *, adapters: bool = False) -> nn.Module:
-        """Apply the parallel layout from outside, torchtitan's order: tensor parallel, expert parallel, then
-        activation checkpointing, compile and FSDP per unit (`apply_fsdp`), on `meshes` (`ParallelDims.build`) as
-        the run description says. A model sharded before the Trainer (an `FSDPModule`) is kept as it is.
-        `adapters`: the model carries LoRA adapters."""
+    def parallelize(self, model: nn.Module, layout: Layout, *, adapters: bool = False) -> nn.Module:
+        """Apply `layout` from outside (`apply_layout`: context parallel, tensor parallel, expert parallel, then
+        activation checkpointing, compile and FSDP per unit), with the model's weights from where they are (every
+        rank, rank 0, or each rank's shards of a directory). A model sharded before the Trainer (an `FSDPModule`)
+        is kept as it is. `adapters`: the model carries LoRA adapters."""
         from shardtrain.errors import TrainingArgumentsError
 
-        spec = self.spec
+        spec, dims = self.spec, layout.dims
         compile_options = spec.compile_options
         if spec.fsdp is None:
             model.to(self.device)
@@ -113,14 +86,15 @@ class TrainingBackend:
                 raise TrainingArgumentsError(
                     "the model is already sharded (fully_shard applied before the Trainer), so torch_compile / "
                     "ep_size cannot be applied to it; pass the unsharded model and let the Trainer shard it")
+            if layout.cp is not None:  # its sharding is kept; its attention is split all the same
+                layout.cp.enable(model)
             return model
         source = self._weight_source(model, spec.fsdp.cpu_ram_efficient_loading)
         full_state = model.state_dict() if source == RANK0 and self.rank == 0 else {}  # the unsharded tensors
         # No model.to(device) first: each fully_shard moves its own unit's tensors to the mesh's device and
         # shards them there (tp / ep's distribute_tensor do the same), so a GPU holds one unit unsharded at a
         # time during setup, never the whole model
-        apply_parallelism(model, meshes, dims, spec.fsdp, tp_plan=spec.tp_plan, mixed_precision=spec.mixed_precision,
-                          compile_options=compile_options)
+        apply_layout(model, layout)
         if isinstance(source, tuple):  # every rank reads its shards from the directory
             read_from_source(model, *source, self.device)
         elif source == RANK0:

@@ -13,7 +13,7 @@ the all-gather's flat buffer (65 MB for the 50M model's head), and a thread aren
 heap with `mmap`, whatever the threshold, so it was unmapped and faulted in again every step; in the main arena it
 is reused: page faults 8 k -> 4 k, system time 132 -> 106 ms per step. It is set before the process group starts
 gloo's threads. Together, on a 2-rank 50M step: 1256 -> 762 ms, page faults 192 k -> 4 k per step, for +0.4-0.5
-GiB peak RSS per rank (benchmarks/cpu_efficiency.json, benchmarks/README.md).
+GiB peak RSS per rank (benchmarks/results/cpu_efficiency.json, benchmarks/README.md).
 `init_distributed` calls it on CPU runs however they are started (launch, torchrun, plain python). It does
 nothing when the user set glibc's own settings (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`,
 `MALLOC_ARENA_MAX`, `glibc.malloc.*` in `GLIBC_TUNABLES`: theirs win), with `SHARDTRAIN_CPU_ALLOCATOR=default`,

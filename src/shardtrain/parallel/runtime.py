@@ -15,7 +15,8 @@ import torch
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.parallel.backend import TrainingBackend
 from shardtrain.parallel.context import ContextParallel
-from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.dims import Meshes, ParallelDims
+from shardtrain.parallel.layout import Layout
 
 
 def make_backend(spec: RunSpec) -> TrainingBackend:
@@ -44,12 +45,18 @@ class Runtime:
     spec: RunSpec
     backend: TrainingBackend
     dims: ParallelDims
-    meshes: Any
+    meshes: Meshes
     cp: ContextParallel | None
     rank: int
     world_size: int
     device: torch.device
     dp_rank: int
+
+    def layout(self) -> Layout:
+        """The run's parallel layout, as its description (`RunSpec`) says: what `apply_layout` applies."""
+        spec = self.spec
+        return Layout(meshes=self.meshes, dims=self.dims, fsdp=spec.fsdp, tp_plan=spec.tp_plan,
+                      mixed_precision=spec.mixed_precision, compile_options=spec.compile_options, cp=self.cp)
 
     @classmethod
     def start(cls, spec: RunSpec, model: Any = None) -> Runtime:

@@ -35,7 +35,9 @@ from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import FSDPConfigError
 from shardtrain.parallel.backend import TrainingBackend
+from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.fsdp import find_fsdp_units
+from shardtrain.parallel.layout import Layout
 from shardtrain.parallel.xla_state import XlaStates, register_xla_rng
 
 _DTYPE_KEYS = ("compute_dtype", "buffer_dtype")
@@ -124,7 +126,7 @@ class XlaBackend(TrainingBackend):
             self.mesh = xs.Mesh(np.arange(count), (count, 1), ("fsdp", "tensor"))
             xs.set_global_mesh(self.mesh)
 
-    def check(self, model: Any, dims: Any) -> None:
+    def check(self, model: Any, dims: ParallelDims) -> None:
         """Refuse what the XLA path does not do, naming the setting and the fix (before the model is touched)."""
         if isinstance(model, str | os.PathLike):
             raise FSDPConfigError("fsdp_config 'xla': true needs a model object: load it first (e.g. "
@@ -146,7 +148,7 @@ class XlaBackend(TrainingBackend):
             raise FSDPConfigError(f"fsdp_config 'xla': true does not support {', '.join(problems)}; remove it, "
                                   "or set 'xla': false to train with FSDP2")
 
-    def parallelize(self, model: nn.Module, meshes: Any, dims: Any, *, adapters: bool = False) -> nn.Module:
+    def parallelize(self, model: nn.Module, layout: Layout, *, adapters: bool = False) -> nn.Module:
         if adapters:
             raise FSDPConfigError("fsdp_config 'xla': true with LoRA adapters is not supported yet; train "
                                   "adapters with FSDP2 ('xla': false)")

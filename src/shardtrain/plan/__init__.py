@@ -9,7 +9,8 @@ import sys
 import types
 
 from shardtrain.errors import PlanError
-from shardtrain.plan.planner import Plan, plan
+from shardtrain.plan.planner import plan
+from shardtrain.plan.result import Plan
 
 __all__ = ["Plan", "PlanError", "plan"]
 

@@ -23,7 +23,8 @@ ranks) and the file layout that the save code itself computes (`plan_weight_file
   device); FULL_STATE_DICT writes the model files as `save_model` does (`CheckpointManager` calls the same
   `save_sharded_pretrained`; a LoRA adapter, the XLA backend and non-float states are still gathered to rank 0)
   and then the optimizer's shards like SHARDED_STATE_DICT.
-Checked against `benchmarks/sharded_load.json` and `benchmarks/sharded_save.json` (`benchmarks/plan_lifecycle.py`).
+Checked against `benchmarks/results/sharded_load.json` and `benchmarks/results/sharded_save.json`
+(`benchmarks/plan_lifecycle.py`).
 """
 
 from __future__ import annotations

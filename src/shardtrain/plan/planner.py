@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,46 +21,14 @@ from shardtrain.config.fsdp_config import AC_MODES, FSDPConfig, parse_activation
 from shardtrain.errors import PlanError
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.plan.lifecycle import PhaseMemory, lifecycle_rows
-from shardtrain.plan.memory import MemoryRow, device_peak, fit_advice, memory_rows, parse_bytes
+from shardtrain.plan.memory import device_peak, fit_advice, memory_rows, parse_bytes
 from shardtrain.plan.model_source import model_builder
+from shardtrain.plan.result import Plan
 from shardtrain.plan.trace import StepSetup, StepTrace, trace_step
 
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 _AC_VALUES: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective"}  # fsdp_config values
 TARGETS = ("cuda", "cpu")
-
-
-@dataclass
-class Plan:
-    """The result of `plan`: the inputs as resolved, the traced steps, the memory rows, fit and step time.
-
-    `lifecycle` holds the load / step / save rows (per-rank host and device bytes, `plan/lifecycle.py`).
-    `what_if_ac` is the step traced with activation checkpointing flipped (none <-> full; selective -> full),
-    `ac_traces` every traced activation-checkpointing mode ("none", "selective", "full"), the planned one included.
-    """
-
-    model: str
-    settings: dict[str, Any]
-    trace: StepTrace
-    rows: list[MemoryRow]
-    peak: int
-    fit: dict | None = None
-    step: dict | None = None
-    what_if_ac: StepTrace | None = field(default=None, repr=False)
-    ac_traces: dict[str, StepTrace] = field(default_factory=dict, repr=False)
-    lifecycle: list[PhaseMemory] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything as plain JSON types (bytes as ints)."""
-        from shardtrain.plan.report import plan_dict
-
-        return plan_dict(self)
-
-    def table(self) -> str:
-        """The human-readable report."""
-        from shardtrain.plan.report import plan_table
-
-        return plan_table(self)
 
 
 def _positive(name: str, value: Any) -> int:

@@ -1,7 +1,7 @@
 """One Trainer step, traced on rank 0 of a fake process group with fake tensors: what each rank holds, when.
 
-The model is built, context-parallelised and sharded by shardtrain's own code (`apply_parallelism`,
-`build_optimizer`, `LossComputer`) and stepped by the Trainer's own `StepRunner`, but every tensor is a `FakeTensor`
+The model is built, context-parallelised and sharded by shardtrain's own code (`apply_layout`,
+`build_optimizer`, `LossComputer`) and stepped by the Trainer's own `OptimizerStep`, but every tensor is a `FakeTensor`
 and every collective goes to PyTorch's fake process group. Step 1 runs untraced (it creates AdamW's state); step 2
 runs under PyTorch's `FSDPMemTracker` (one wrapper fixed, see `_tracker`), which labels every live storage
 (sharded/unsharded parameters, gradients, optimizer state, activations, all-gather and reduce-scatter buffers) and
@@ -30,7 +30,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import PlanError
-from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.context import ContextParallel
+from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.plan.experts import GroupedMmShapes
 from shardtrain.plan.lifecycle import TensorLayout, tensor_layout
 from shardtrain.plan.model_source import to_fake
@@ -125,22 +126,17 @@ def with_adapters(model: nn.Module, lora_rank: int) -> nn.Module:
                                           task_type="CAUSAL_LM"))
 
 
-def _prepare(model: nn.Module, setup: StepSetup, meshes: Any) -> tuple[nn.Module, Any]:
-    """(LoRA is added before: `with_adapters`) context parallel, then the Trainer's own `apply_parallelism`
-    (tensor parallel -> expert parallel, its token exchange under uniform routing -> FSDP)."""
-    from shardtrain.parallel.backend import apply_parallelism
+def _prepare(model: nn.Module, setup: StepSetup, meshes: Meshes) -> tuple[nn.Module, ContextParallel | None]:
+    """(LoRA is added before: `with_adapters`) the Trainer's own `apply_layout`: context parallel, then tensor
+    parallel -> expert parallel (its token exchange under uniform routing) -> FSDP."""
+    from shardtrain.parallel.layout import Layout, apply_layout
     from shardtrain.plan.experts import register_uniform_all_to_all
 
-    cp = None
-    if setup.dims.cp > 1:
-        from shardtrain.parallel.context import ContextParallel
-
-        cp = ContextParallel(meshes.cp)
-        cp.enable(model)
-    apply_parallelism(model, meshes, setup.dims, setup.fsdp_config,
-                      mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None,
-                      ep_implementation=register_uniform_all_to_all() if setup.dims.ep > 1 else "all_to_all")
-    return model, cp
+    layout = Layout(meshes=meshes, dims=setup.dims, fsdp=setup.fsdp_config,
+                    mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None,
+                    ep_implementation=register_uniform_all_to_all() if setup.dims.ep > 1 else "all_to_all",
+                    cp=ContextParallel(meshes.cp) if setup.dims.cp > 1 else None)
+    return apply_layout(model, layout), layout.cp
 
 
 def _units(model: nn.Module, param_dtype: torch.dtype | None) -> list[tuple[str, int]]:
@@ -256,7 +252,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     from shardtrain.train.step.chunked_loss import resolve_chunk_size
     from shardtrain.train.step.loss import LossComputer
     from shardtrain.train.step.optim import build_optimizer, decay_parameter_names
-    from shardtrain.train.step.step_runner import StepRunner
+    from shardtrain.train.step.optimizer_step import OptimizerStep
 
     if dist.is_initialized():
         raise PlanError("shardtrain.plan() runs its own fake process group; call it before init_distributed() (or "
@@ -279,22 +275,15 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             # Gradient accumulation as the Trainer does it: no reduce-scatter before the last micro-batch, so the
             # unsharded gradients stay; memory repeats after the second micro-batch, which is all we trace.
             micro = min(setup.gradient_accumulation_steps, 2)
-            runner = StepRunner(model=model, dims=setup.dims, max_grad_norm=setup.max_grad_norm, sharded=True)
-
-            def optimizer_step() -> None:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            engine_step = OptimizerStep(model=model, dims=setup.dims, device=torch.device("cpu"),
+                                        all_reduce=dist.all_reduce, max_grad_norm=setup.max_grad_norm, sharded=True,
+                                        loss=loss)
 
             def step(after_loss: Callable[[], None] | None = None,
                      between: Callable[[], None] | None = None) -> None:
-                def micro_step(index: int, batch: dict[str, Any]) -> None:
-                    loss_sum = loss(batch)
-                    if after_loss is not None and index == 0:
-                        after_loss()
-                    (loss_sum / samples).backward()
-
-                runner.run([batch] * micro, micro_step, loss.local_counts([batch] * micro), samples,
-                           optimizer_step=optimizer_step, between=between)
+                tokens = samples * setup.seq_len  # a scale only: fake tensors hold no labels to count
+                engine_step.run([batch] * micro, None, PlannerStepHooks(loss, optimizer, after_loss, between), step=0,
+                                by_samples=False, counts=(tokens, tokens))
 
             counter = CollectiveCounter()
             with flop_counter() as flops, counter:
@@ -310,6 +299,32 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             return _result(model, optimizer, setup, tracker, probe, flops, counter, chunk)
     finally:
         dist.destroy_process_group()
+
+
+class PlannerStepHooks:
+    """The planner's side of the Trainer's `OptimizerStep`: the loss and its backward, `after_loss` once (the
+    probe that measures the loss's memory), `between` after each micro-batch but the last, the optimizer."""
+
+    def __init__(self, loss: Any, optimizer: torch.optim.Optimizer, after_loss: Callable[[], None] | None,
+                 between: Callable[[], None] | None) -> None:
+        self.loss, self.optimizer, self.after_loss, self.between = loss, optimizer, after_loss, between
+
+    def micro_step(self, batch: dict[str, Any], num_items: torch.Tensor | None, grad_scale: float) -> torch.Tensor:
+        loss_sum = self.loss(batch)
+        if self.after_loss is not None:
+            self.after_loss()
+            self.after_loss = None
+        (loss_sum * grad_scale).backward()
+        return loss_sum.detach()
+
+    def between_micro_steps(self) -> None:
+        if self.between is not None:
+            self.between()
+
+    def optimizer_step(self) -> float:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return 0.0
 
 
 def _device_peak_offloaded(tracker: Any) -> int:

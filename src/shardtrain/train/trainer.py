@@ -98,12 +98,17 @@ from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step.batch_finder import out_of_memory, smaller_batch
 from shardtrain.train.step.chunked_loss import resolve_chunk_size
 from shardtrain.train.step.loss import LossComputer
-from shardtrain.train.step.optim import build_optimizer, build_scheduler, check_given_optimizer, steps_on_metric
+from shardtrain.train.step.optim import (
+    build_optimizer,
+    build_scheduler,
+    check_given_optimizer,
+    step_optimizer_and_scheduler,
+    steps_on_metric,
+)
 from shardtrain.train.step.optimizer_step import OptimizerStep, StepResult
 from shardtrain.train.step.preemption import EXIT_CODE, Preempted, PreemptionHandler
 from shardtrain.train.step.router_loss import RouterLoss
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
-from shardtrain.train.step.step_runner import StepRunner
 
 
 def set_seed(seed: int) -> None:
@@ -253,7 +258,9 @@ class Trainer(transformers.Trainer):
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
         # the current optimizer step's micro-batches and samples (set before each step; names no library uses)
-        self._engine_micro_batches, self._engine_step_samples = 1, 1
+        # the step in progress: its micro-batches, and the backward scale of its loss sums (None: training_step
+        # called on its own, which backpropagates its micro-batch's mean loss, as Hugging Face's)
+        self._engine_micro_batches, self._engine_grad_scale = 1, None
         self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
@@ -402,10 +409,10 @@ class Trainer(transformers.Trainer):
         if resume is not None:
             self._load_for_resume(resume, plan, max_steps)
         # this run's step (its max_grad_norm may be a trial's)
-        runner = StepRunner(model=self.model, dims=self.dims, max_grad_norm=args.max_grad_norm,
-                            sharded=self.backend.is_sharded(self.model))
-        self._engine_step = OptimizerStep(runtime=self.runtime, loss=self.loss_computer, runner=runner,
-                                   preemption=self.preemption)
+        self._engine_step = OptimizerStep(model=self.model, dims=self.dims, device=self.device,
+                                          all_reduce=self.backend.all_reduce, max_grad_norm=args.max_grad_norm,
+                                          sharded=self.backend.is_sharded(self.model), loss=self.loss_computer,
+                                          preemption=self.preemption)
         start_step, start_time = self.state.global_step, time.time()
         window = LossWindow(lambda t: self.backend.all_reduce(t, group=self.meshes.loss.get_group()),
                             nan_inf_filter=args.logging_nan_inf_filter)
@@ -605,13 +612,9 @@ class Trainer(transformers.Trainer):
         """One optimizer step (`OptimizerStep`): `training_step` on each micro-batch, then clip and step."""
         batches = [self._model_inputs(b) if isinstance(b, Mapping) else b for b in batches]
         self.current_gradient_accumulation_steps = len(batches)  # Hugging Face's, read by libraries' losses
-        self._engine_step_samples = max(self.state.global_batch_size, 1)  # training_step's backward scale
         self._engine_micro_batches = len(batches)
-        result = self._engine_step.run(batches, placeholders, step=self.state.global_step,
-                                       step_samples=self._engine_step_samples,
-                                       training_step=lambda batch, items: self.training_step(self.model, batch, items),
-                                       loss_scale=self._loss_scale, by_samples=self._loss_per_sample,
-                                       optimizer=self.optimizer, scheduler=self.lr_scheduler, fire=self._fire)
+        result = self._engine_step.run(batches, placeholders, TrainerStepHooks(self), step=self.state.global_step,
+                                       by_samples=self._loss_per_sample)
         self.state.num_input_tokens_seen += result.input_tokens
         self.state.total_flos += 6.0 * self._flop_params() * result.input_tokens
         return result
@@ -681,7 +684,8 @@ class Trainer(transformers.Trainer):
             micro_sum = self.loss_computer(inputs)
         if self.loss_computer.placeholder:  # stands in for no sample: forward and backward (FSDP collectives), weight 0
             micro_sum = micro_sum * 0.0
-        (micro_sum / self._engine_step_samples).backward()
+        scale = self._engine_grad_scale if self._engine_grad_scale is not None else 1 / num_items_in_batch
+        (micro_sum * scale).backward()
         # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
         return micro_sum.detach() / num_items_in_batch * self._loss_scale
 
@@ -1112,3 +1116,29 @@ class Trainer(transformers.Trainer):
 
     def get_sp_size(self) -> int:
         return 1
+
+
+class TrainerStepHooks:
+    """The Trainer's side of an `OptimizerStep`: Hugging Face's `training_step` on each micro-batch, its callbacks
+    between micro-batches and around the optimizer step, and the scheduler's step."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.step_owner = trainer
+
+    def micro_step(self, batch: Any, num_items: torch.Tensor | None, grad_scale: float) -> torch.Tensor:
+        trainer = self.step_owner
+        trainer._engine_grad_scale = grad_scale
+        try:
+            loss = trainer.training_step(trainer.model, batch, num_items)
+        finally:
+            trainer._engine_grad_scale = None
+        # Hugging Face's return is the micro-batch's share of the step loss times _loss_scale: back to its sum
+        return loss.detach().float() * (num_items / trainer._loss_scale if num_items is not None else 1)
+
+    def between_micro_steps(self) -> None:
+        self.step_owner._fire("on_substep_end")
+
+    def optimizer_step(self) -> float:
+        trainer = self.step_owner
+        return step_optimizer_and_scheduler(trainer.optimizer, trainer.lr_scheduler, trainer.backend,
+                                            fire=trainer._fire)

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import Qwen3MoeForCausalLM
 
 from shardtrain import FSDPConfig, destroy_distributed, init_distributed, load_pretrained
-from shardtrain.parallel.backend import apply_parallelism
 from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.layout import apply_parallelism
 from shardtrain.parallel.loading import RANK0_READ
 
 

@@ -10,7 +10,8 @@ batch reaches it (on the device, split over the `cp` ranks). A part of the Train
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,9 +20,9 @@ from torch import nn
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
 from shardtrain.errors import PeftError, TrainingArgumentsError
-from shardtrain.parallel.backend import apply_parallelism
 from shardtrain.parallel.context import ContextParallel
-from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.dims import Meshes, ParallelDims
+from shardtrain.parallel.layout import apply_layout
 from shardtrain.parallel.loading import load_pretrained
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.model.lora import add_adapters, is_peft_model
@@ -39,7 +40,7 @@ class ModelPreparation:
     runtime: Runtime
 
     @property
-    def meshes(self) -> Any:
+    def meshes(self) -> Meshes:
         return self.runtime.meshes
 
     @property
@@ -73,17 +74,16 @@ class ModelPreparation:
             # A model path takes any layout, ep included: the loader reads per-expert checkpoint keys into the
             # fused, expert-sharded weights by transformers' own conversion rules (or falls back to rank 0's
             # broadcast)
+            layout = self.runtime.layout()
             model = load_pretrained(model, spec.fsdp, mesh=self.meshes.fsdp, mixed_precision=spec.mixed_precision,
                                     device=backend.device, compile_options=spec.compile_options,
-                                    parallelize=lambda m: apply_parallelism(
-                                        m, self.meshes, dims, spec.fsdp, tp_plan=spec.tp_plan,
-                                        mixed_precision=spec.mixed_precision, compile_options=spec.compile_options))
-            self._enable_context_parallel(model)
+                                    parallelize=partial(apply_layout, layout=layout))
+            self._check_context_parallel(model)
             return model, frozen_base
-        self._enable_context_parallel(model)
+        self._check_context_parallel(model)
         if spec.gradient_checkpointing is not None and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(spec.gradient_checkpointing))
-        return backend.parallelize(model, self.meshes, dims, adapters=frozen_base is not None), frozen_base
+        return backend.parallelize(model, self.runtime.layout(), adapters=frozen_base is not None), frozen_base
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """A library's frozen extra model (TRL's `ref_model`, ...) sharded like the trained one, on the same
@@ -91,7 +91,9 @@ class ModelPreparation:
         if self.runtime.backend.is_sharded(model):
             return model
         model.requires_grad_(False)
-        return self.runtime.backend.parallelize(model, self.meshes, self.dims).eval()
+        # as before context parallelism was part of the layout: a side model's attention is not split
+        layout = replace(self.runtime.layout(), cp=None)
+        return self.runtime.backend.parallelize(model, layout).eval()
 
     def inputs(self, batch: dict[str, torch.Tensor], loss_computer: LossComputer, *,
                with_labels: bool) -> dict[str, Any]:
@@ -105,7 +107,8 @@ class ModelPreparation:
         pad = getattr(getattr(loss_computer.model, "config", None), "pad_token_id", None)
         return self.cp.shard(batch, shift_labels=loss_computer.shift_labels, pad_token_id=pad or 0)
 
-    def _enable_context_parallel(self, model: nn.Module) -> None:
+    def _check_context_parallel(self, model: nn.Module) -> None:
+        """Refuse a model context parallelism cannot split (the layout enables it)."""
         if self.cp is None:
             return
         if not is_causal_lm(model):
@@ -117,4 +120,3 @@ class ModelPreparation:
                 f"cp_size = {self.dims.cp} with {type(model).__name__}'s load-balancing loss (config."
                 "output_router_logits): the router statistics under context parallelism are not supported yet; "
                 "set cp_size to 1, or config.output_router_logits = False")
-        self.cp.enable(model)

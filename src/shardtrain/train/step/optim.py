@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -86,32 +86,22 @@ def _replication(grad: torch.Tensor, world_size: int) -> int:
     return replicated * (world_size // mesh.size())
 
 
-def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: torch.Tensor, grad_divisor: float | None,
-                             max_norm: float, world_size: int, count_copies: int = 1) -> tuple[torch.Tensor,
-                                                                                                torch.Tensor]:
-    """Turn gradients of a token *sum* into gradients of the token *mean*, and clip them, with one all-reduce.
+def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, world_size: int,
+               device: torch.device) -> torch.Tensor:
+    """Clip the gradients (of the step's mean loss) to `max_norm` in one all-reduce; their 2-norm before clipping.
 
-    The gradients hold d(sum of token losses over all ranks) / `grad_divisor`. The number of target tokens
-    is only known globally, so it travels in the same all-reduce as the squared gradient norm: one collective
-    per step instead of two. The norm is computed on the local shards of the DTensor gradients (shards that
-    are replicated, as in HSDP, are counted once), and one `_foreach_mul_` both normalises and clips.
+    The norm is computed on the local shards of the DTensor gradients (shards that are replicated, as in HSDP, are
+    counted once); the squared norms of every rank travel in one all-reduce, and one `_foreach_mul_` clips.
 
     Args:
         parameters: the model's parameters.
-        local_counts: this rank's counts (float64, on the collective's device); element 0 must be the number
-            of target tokens. All elements are summed over ranks.
-        grad_divisor: what the gradients were divided by (backward scale and FSDP's data-parallel average);
-            None: they are the mean loss's already (only clipped).
-        max_norm: clip the gradient norm to this; <= 0: no clipping.
+        max_norm: clip the gradient norm to this; <= 0: no clipping (the norm is still computed: it is logged).
         world_size: ranks in the default process group.
-        count_copies: on how many ranks each count is made (tensor-parallel ranks share their batch).
-
-    Returns:
-        (total gradient 2-norm of the mean loss before clipping, the summed counts).
+        device: the collective's device (the run's; CPU-offloaded gradients are summed there too).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     locals_: list[torch.Tensor] = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    sumsq = torch.zeros((), dtype=torch.float64, device=local_counts.device)
+    sumsq = torch.zeros((), dtype=torch.float64, device=device)
     by_replication: dict[int, list[torch.Tensor]] = {}
     for grad, local in zip(grads, locals_, strict=True):
         if local.numel():
@@ -120,19 +110,14 @@ def normalize_and_clip_grads(parameters: Iterable[nn.Parameter], local_counts: t
         norms = torch._foreach_norm(tensors, 2.0)
         part = torch.stack([n.to(torch.float64) for n in norms]).square().sum() / replication
         sumsq += part.to(sumsq.device)
-    totals = torch.cat([sumsq.view(1), local_counts.to(torch.float64)])
     if world_size > 1:
-        dist.all_reduce(totals)
-    if count_copies > 1:
-        totals[1:] /= count_copies
-    to_mean = grad_divisor / totals[1].clamp(min=1) if grad_divisor is not None else torch.ones_like(totals[1])
-    norm = totals[0].sqrt() * to_mean
-    factor = to_mean
+        dist.all_reduce(sumsq)
+    norm = sumsq.sqrt()
     if max_norm > 0:
-        factor = to_mean * (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for device_locals in _by_device(locals_).values():
-        torch._foreach_mul_(device_locals, factor.to(device_locals[0].device, torch.float32))
-    return norm.float(), totals[1:]
+        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for device_locals in _by_device(locals_).values():
+            torch._foreach_mul_(device_locals, factor.to(device_locals[0].device, torch.float32))
+    return norm.float()
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -140,3 +125,21 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     for tensor in tensors:
         groups.setdefault(tensor.device, []).append(tensor)
     return groups
+
+
+def step_optimizer_and_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any, backend: Any,
+                                 fire: Callable[[str], None]) -> float:
+    """Hugging Face's optimizer step: `on_pre_optimizer_step`, the backend's optimizer step, `on_optimizer_step`,
+    the scheduler's step (unless it steps on a metric, after each evaluation) and clearing the gradients; the
+    learning rate the step used."""
+    fire("on_pre_optimizer_step")
+    backend.optimizer_step(optimizer)
+    fire("on_optimizer_step")
+    if steps_on_metric(scheduler):
+        learning_rate = optimizer.param_groups[0]["lr"]
+    else:
+        learning_rate = scheduler.get_last_lr()[0]
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    backend.step_end()
+    return learning_rate

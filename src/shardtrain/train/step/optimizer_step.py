@@ -1,32 +1,52 @@
-"""One optimizer step of the Trainer: the global target count (which also carries every rank's preemption flag),
-Hugging Face's `training_step` on each micro-batch, the exact normalisation and clipping (`StepRunner`), and the
-optimizer and scheduler step with Hugging Face's callbacks around it.
+"""One optimizer step, in one place: the global counts (one small all-reduce, which also carries every rank's
+preemption flag), each micro-batch's forward and backward, the gradient synchronisation, the expert gradients'
+rescale, clipping (one all-reduce of the squared norm) and the optimizer step. Whoever runs a step hands in its
+`StepHooks`: the Trainer's run Hugging Face's `training_step` and callbacks, the planner's (`shardtrain plan`) the
+loss and its backward on fake tensors.
 
-    step = OptimizerStep(runtime=runtime, loss=loss_computer, runner=runner, preemption=preemption)
-    result = step.run(batches, placeholders, step=global_step, step_samples=64, training_step=fn, loss_scale=1,
-                      by_samples=False, optimizer=optimizer, scheduler=scheduler, fire=fire)
+    step = OptimizerStep(model=model, dims=dims, device=device, all_reduce=backend.all_reduce, max_grad_norm=1.0,
+                         sharded=True, loss=loss_computer, preemption=preemption)
+    result = step.run(batches, placeholders, hooks, step=global_step, by_samples=False)
 
 The loss of a step is the sum over every target token of the global batch (all ranks, all micro-steps) divided
-by the number of those tokens, so a run depends on the global batch only, not on its split. A library's batches
-that the engine cannot read (`library_batches`: GRPO's and RLOO's prompts, which their `_prepare_inputs` turn into
-generations) carry the library's own loss, normalised as under Hugging Face: each rank's loss, its gradients
-averaged over the ranks (by FSDP, as by DDP).
+by the number of those tokens, so a run depends on the global batch only, not on its split. The counts are known
+before the first forward, so each micro-batch's backward is scaled once, by `grad_scale` (FSDP's average over its
+ranks compensated): the gradients are then the mean loss's, and clipping is all that is left. A library's
+batches that the engine cannot read (`library_batches`: GRPO's and RLOO's prompts, which their `_prepare_inputs`
+turn into generations) carry the library's own loss, normalised as under Hugging Face: each rank's loss, its
+gradients averaged over the ranks (by FSDP, as by DDP).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from shardtrain.errors import DataError
-from shardtrain.parallel.runtime import Runtime
+from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.train.step.loss import LossComputer
-from shardtrain.train.step.optim import steps_on_metric
+from shardtrain.train.step.optim import clip_grads
 from shardtrain.train.step.preemption import Preempted, PreemptionHandler
-from shardtrain.train.step.step_runner import StepRunner
+
+
+class StepHooks(Protocol):
+    """What a step calls back into."""
+
+    def micro_step(self, batch: Any, num_items: torch.Tensor | None, grad_scale: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch, the backward of its loss *sum* times `grad_scale`; returns
+        that sum, detached (for the logged loss). `num_items`: the global batch's target tokens (or samples; None
+        for a library's batches, whose loss is its own mean)."""
+
+    def between_micro_steps(self) -> None:
+        """After each micro-batch but the last."""
+
+    def optimizer_step(self) -> float:
+        """Step the optimizer (and scheduler) and clear the gradients; the learning rate the step used."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,27 +70,34 @@ class StepResult:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerStep:
-    """Runs the Trainer's optimizer steps (see module docstring).
+    """Runs optimizer steps of `model` on the layout `dims` (see the module's docstring).
 
     Attributes:
-        runtime: the backend (collectives, the optimizer step), the layout and the device.
+        model: the parallelised model.
+        dims: the parallel sizes (FSDP's gradient average, ep, tp, the world size).
+        device: where counts and norms are reduced.
+        all_reduce: sums a tensor over every rank, in place (the backend's).
+        max_grad_norm: clip the gradient norm of the mean loss to this; <= 0: no clipping.
+        sharded: FSDP holds the model (it averages gradients over its ranks; one reduce-scatter per step).
         loss: the model's `LossComputer` (counts targets; marks placeholder micro-batches).
-        runner: the micro-batches, normalisation, clipping and optimizer step shared with `shardtrain plan`.
-        preemption: SIGTERM's flag, agreed on by every rank before each step.
+        preemption: SIGTERM's flag, agreed on by every rank before each step (None: not watched).
     """
 
-    runtime: Runtime
+    model: nn.Module
+    dims: ParallelDims
+    device: torch.device
+    all_reduce: Callable[[torch.Tensor], None]
+    max_grad_norm: float
+    sharded: bool
     loss: LossComputer
-    runner: StepRunner
-    preemption: PreemptionHandler
+    preemption: PreemptionHandler | None = None
 
-    def run(self, batches: list[dict[str, Any]], placeholders: list[bool] | None, *, step: int, step_samples: int,
-            training_step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], loss_scale: int,
-            by_samples: bool, optimizer: torch.optim.Optimizer, scheduler: Any,
-            fire: Callable[[str], None]) -> StepResult:
-        """Forward and backward of each micro-batch (`training_step(batch, num_items_in_batch)`, which returns
-        Hugging Face's loss: the micro-batch's share of the step loss times `loss_scale`; its backward is scaled
-        by 1 / `step_samples`, the global batch in samples), then the optimizer step.
+    def run(self, batches: list[Any], placeholders: list[bool] | None, hooks: StepHooks, *, step: int,
+            by_samples: bool, counts: tuple[int, int] | None = None) -> StepResult:
+        """Forward and backward of each micro-batch, then clipping and the optimizer step.
+
+        `counts`: the global (target, input) counts when they are known without reading the batches (the
+        planner's fake tensors cannot be read); None: counted and all-reduced.
 
         Raises:
             Preempted: on every rank, when any rank received SIGTERM (before the step changes anything).
@@ -78,63 +105,49 @@ class OptimizerStep:
         """
         placeholders = placeholders or [False] * len(batches)
         library = library_batches(batches)
-        # this rank's counts; a library's batches count one per rank (its loss is a mean over the ranks)
-        local = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.runtime.device) if library else \
-            self.loss.local_counts(batches, placeholders, by_samples)
+        if counts is None:
+            # this rank's counts; a library's batches count one per rank (its loss is a mean over the ranks)
+            local = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.device) if library else \
+                self.loss.local_counts(batches, placeholders, by_samples)
+            counts = self.global_counts(local, step, counted=not library)
+        targets, inputs = counts
         # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the forward
-        num_items = self.global_items(local, step, counted=not library)
-        loss_sum = torch.zeros((), device=self.runtime.device)
-        learning_rate = 0.0
-
-        def micro_step(index: int, batch: dict[str, Any]) -> None:
-            nonlocal loss_sum
+        num_items = None if library else torch.tensor(targets, dtype=torch.int64, device=self.device)
+        average = self.dims.grad_average_size if self.sharded else 1
+        grad_scale = 1.0 if library else average / targets
+        loss_sum = torch.zeros((), device=self.device)
+        last = len(batches) - 1
+        for index, batch in enumerate(batches):
+            if self.sharded and last > 0:  # reduce-scatter once per step, after the last micro-batch
+                self.model.set_requires_gradient_sync(index == last)
             self.loss.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
             try:
-                loss = training_step(batch, num_items)
+                loss_sum += hooks.micro_step(batch, num_items, grad_scale)
             finally:
                 self.loss.placeholder = False
-            loss_sum += loss.detach().float() * (num_items / loss_scale if num_items is not None else 1)
-
-        def optimizer_step() -> None:
-            nonlocal learning_rate
-            fire("on_pre_optimizer_step")
-            self.runtime.backend.optimizer_step(optimizer)
-            fire("on_optimizer_step")
-            if steps_on_metric(scheduler):  # it steps after each evaluation (the Trainer's), on the metric
-                learning_rate = optimizer.param_groups[0]["lr"]
-            else:
-                learning_rate = scheduler.get_last_lr()[0]
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            self.runtime.backend.step_end()
-
-        # The backward pass needs a scale that is the same on every rank: 1 / step_samples, applied by
-        # training_step. The exact 1 / (global target tokens) is applied afterwards by the runner, whose one
-        # all-reduce carries the gradient norm (and the input tokens, for the state).
-        grad_norm, counts = self.runner.run(batches, micro_step, local, step_samples, optimizer_step=optimizer_step,
-                                            between=lambda: fire("on_substep_end"), mean_grads=library)
-        tokens, input_tokens = (int(c) for c in counts.tolist())
-        return StepResult(loss_sum=loss_sum, tokens=tokens, input_tokens=input_tokens, grad_norm=grad_norm,
+            if index < last:
+                hooks.between_micro_steps()
+        if self.dims.ep > 1:
+            rescale_expert_grads(self.model)
+        grad_norm = clip_grads(self.model.parameters(), self.max_grad_norm, self.dims.world_size, self.device)
+        learning_rate = hooks.optimizer_step()
+        return StepResult(loss_sum=loss_sum, tokens=targets, input_tokens=inputs, grad_norm=grad_norm,
                           learning_rate=learning_rate)
 
-    def global_items(self, local: torch.Tensor, step: int, counted: bool = True) -> torch.Tensor | None:
-        """The global batch's target tokens (samples, for a loss per sample) from this rank's `local` counts, as
-        int64 on the device, in one small all-reduce that also carries whether any rank was asked to stop (see
-        `run`'s errors); None when the batches are a library's (`counted` False: nothing to count)."""
-        device = self.runtime.device
-        header = torch.stack([local[0],
-                              torch.tensor(float(self.preemption.requested), dtype=torch.float64, device=device)])
-        self.runtime.backend.all_reduce(header)  # every rank: tp ranks hold the same tokens, counted tp times
-        counted, stop = header.tolist()  # one device sync for both
+    def global_counts(self, local: torch.Tensor, step: int, counted: bool = True) -> tuple[int, int]:
+        """(target tokens or samples, input tokens) of the global batch from this rank's `local` counts, in one
+        small all-reduce that also carries whether any rank was asked to stop (see `run`'s errors)."""
+        stop = float(self.preemption.requested) if self.preemption is not None else 0.0
+        header = torch.cat([local.to(torch.float64), torch.tensor([stop], dtype=torch.float64, device=self.device)])
+        self.all_reduce(header)
+        *counts, stop = header.tolist()  # one device sync for all
         if stop > 0:
             raise Preempted(step)
-        if not counted:
-            return None
-        items = round(counted / self.runtime.dims.tp)
-        if items == 0:  # every rank knows the global count: all raise together, before a useless update
+        targets, inputs = (round(c / self.dims.tp) for c in counts)  # tp ranks hold the same tokens
+        if counted and targets == 0:  # every rank knows the global count: all raise together, before an update
             raise DataError(f"the global batch of step {step + 1} has no target token (every label is -100); make "
                             "sure each batch has labels to learn from (longer samples, or a larger batch)")
-        return torch.tensor(items, dtype=torch.int64, device=device)
+        return targets, inputs
 
 
 def library_batches(batches: list[Any]) -> bool:

@@ -1,13 +1,45 @@
-"""A `Plan` as a human table (the default of `shardtrain plan`) or as plain JSON types (`--json`)."""
+"""What `shardtrain.plan(...)` returns (`Plan`), and how it is shown: a human table (the default of `shardtrain
+plan`) or plain JSON types (`--json`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-from shardtrain.plan.memory import human
+from shardtrain.plan.lifecycle import PhaseMemory
+from shardtrain.plan.memory import MemoryRow, human
+from shardtrain.plan.trace import StepTrace
 
-if TYPE_CHECKING:
-    from shardtrain.plan.planner import Plan
+
+@dataclass
+class Plan:
+    """The result of `plan`: the inputs as resolved, the traced steps, the memory rows, fit and step time.
+
+    `lifecycle` holds the load / step / save rows (per-rank host and device bytes, `plan/lifecycle.py`).
+    `what_if_ac` is the step traced with activation checkpointing flipped (none <-> full; selective -> full),
+    `ac_traces` every traced activation-checkpointing mode ("none", "selective", "full"), the planned one included.
+    """
+
+    model: str
+    settings: dict[str, Any]
+    trace: StepTrace
+    rows: list[MemoryRow]
+    peak: int
+    fit: dict | None = None
+    step: dict | None = None
+    what_if_ac: StepTrace | None = field(default=None, repr=False)
+    ac_traces: dict[str, StepTrace] = field(default_factory=dict, repr=False)
+    lifecycle: list[PhaseMemory] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as plain JSON types (bytes as ints)."""
+        return plan_dict(self)
+
+    def table(self) -> str:
+        """The human-readable report."""
+        return plan_table(self)
+
+
 
 
 def plan_dict(result: Plan) -> dict[str, Any]:
