@@ -130,8 +130,10 @@ def forget_old_meshes() -> None:
                 if isinstance(value, type) and value.__module__ == name:
                     clear(value)
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     clear(DTensor._op_dispatcher.sharding_propagator)
+    _clear_sharding_prop_cache()  # the C++ fast path's cache too
 
 
 def fresh_process_group(case: int, store: dist.TCPStore | None) -> None:
