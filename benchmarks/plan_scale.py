@@ -6,7 +6,7 @@
 The configs are written by hand from the published shapes (`benchmarks/configs/*.json`; nothing is
 downloaded). Each case runs in its own process (`--worker`): the planner traces one rank of the fake process
 group of that world size (`torch.distributed` "fake" backend + `FakeStore`, as torchtitan's fake-backend mode)
-through the Trainer's own `ParallelDims` -> meshes -> `apply_parallelism`, and prints its table. Recorded per
+through the Trainer's own `ParallelDims` -> meshes -> `apply_layout`, and prints its table. Recorded per
 case: the table, the JSON plan, the wall time and the planner process's peak resident set (`ru_maxrss`): how
 the set-up's host memory grows with the world size (it holds O(world) rank tables of the meshes, nothing else
 per rank). Settings: batch 1 x seq 8192 (Llama) / 4096 (Qwen), bf16, full activation checkpointing,
@@ -55,7 +55,7 @@ def _status_mib(field: str) -> float:
 
 
 def run_setup(name: str) -> dict:
-    """The Trainer's set-up alone on the fake process group: `ParallelDims` -> meshes -> `apply_parallelism` of
+    """The Trainer's set-up alone on the fake process group: `ParallelDims` -> meshes -> `apply_layout` of
     the full-depth model (fake tensors, no step). Host RSS growth of the set-up, time, and whether any parameter
     stayed whole on this rank (a full copy) or any rank holds more than 1 / world of the model."""
     import torch.distributed as dist
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--setup-only", action="store_true",
-                        help="only the set-up (meshes + apply_parallelism), no traced step: seconds per case")
+                        help="only the set-up (meshes + apply_layout), no traced step: seconds per case")
     parser.add_argument("--out", type=Path)
     cli = parser.parse_args()
     if cli.worker:

@@ -49,36 +49,17 @@ class Layout:
 
 
 def apply_layout(model: nn.Module, layout: Layout) -> nn.Module:
-    """Context parallelism, then `apply_parallelism`, in place; returns `model`."""
+    """Context parallelism, tensor parallel, expert parallel, then activation checkpointing, compile and FSDP per
+    unit (`apply_fsdp`), in place, on the model's device (or the meta device); returns `model`."""
+    meshes, dims = layout.meshes, layout.dims
     if layout.cp is not None:
         layout.cp.enable(model)
-    return apply_parallelism(model, layout.meshes, layout.dims, layout.fsdp, tp_plan=layout.tp_plan,
-                             mixed_precision=layout.mixed_precision, compile_options=layout.compile_options,
-                             ep_implementation=layout.ep_implementation)
-
-
-def apply_parallelism(model: nn.Module, meshes: Meshes, dims: ParallelDims, fsdp_config: FSDPConfig, *,
-                      tp_plan: dict[str, str] | None = None, mixed_precision: str | None = None,
-                      compile_options: dict[str, Any] | None = None, ep_implementation: str = "all_to_all",
-                      ) -> nn.Module:
-    """Tensor parallel, expert parallel, then activation checkpointing, compile and FSDP per unit (`apply_fsdp`),
-    in place (context parallelism already enabled: `apply_layout` does both).
-
-    Args:
-        model: the unsharded model on its device.
-        meshes: `ParallelDims.build(...)`'s meshes.
-        dims: the parallel sizes.
-        fsdp_config: the parsed `FSDPConfig`.
-        tp_plan: the user's tensor-parallel plan (each pattern must match a module) or None: the model's own.
-        mixed_precision: "bf16"/"fp16" or None/"no".
-        compile_options: `torch.compile` options per FSDP unit, or None (eager).
-        ep_implementation: transformers' `EPImplementationInterface` entry for the experts' token exchange.
-    """
     if dims.tp > 1:
-        plan = tp_plan if tp_plan is not None else model_tp_plan(model)
-        apply_tp(model, meshes.tp, without_experts(model, plan) if dims.ep > 1 else plan, strict=tp_plan is not None)
+        plan = layout.tp_plan if layout.tp_plan is not None else model_tp_plan(model)
+        apply_tp(model, meshes.tp, without_experts(model, plan) if dims.ep > 1 else plan,
+                 strict=layout.tp_plan is not None)
     if dims.ep > 1:
-        apply_ep(model, meshes.ep, meshes.tp, ep_implementation=ep_implementation)
-    apply_fsdp(model, fsdp_config, meshes.fsdp, mixed_precision=mixed_precision, expert_mesh=meshes.efsdp,
-               expert_grad_divide_factor=dims.grad_average_size, compile_options=compile_options)
+        apply_ep(model, meshes.ep, meshes.tp, ep_implementation=layout.ep_implementation)
+    apply_fsdp(model, layout.fsdp, meshes.fsdp, mixed_precision=layout.mixed_precision, expert_mesh=meshes.efsdp,
+               expert_grad_divide_factor=dims.grad_average_size, compile_options=layout.compile_options)
     return model

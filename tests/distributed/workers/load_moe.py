@@ -7,7 +7,7 @@ Rank 0 writes a tiny Qwen3-MoE (8 experts, 2 layers) with `save_pretrained` into
 files; transformers 5 writes each expert's gate/up/down projections under its own key, the model fuses them into
 3-D `gate_up_proj` / `down_proj`). Every rank loads it with `load_pretrained`:
   * "ep1": FSDP over both ranks (each rank 4 experts' rows of every fused weight);
-  * "ep2": ep 2 (each rank its 4 experts; expert-FSDP 1), through the Trainer's `apply_parallelism`;
+  * "ep2": ep 2 (each rank its 4 experts; expert-FSDP 1), through the Trainer's `apply_layout`;
   * "ep2_rank0": ep 2 with `read=RANK0_READ` (rank 0 reads all and broadcasts);
 and rank 0 compares the gathered weights and the buffers with `from_pretrained(dtype=float32)` bit for bit. What
 each rank read of the experts' checkpoint tensors comes from the loader's log record (`read_stats`). Then two
@@ -18,6 +18,7 @@ weights are written too.
 import json
 import logging
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from transformers import Qwen3MoeForCausalLM
 
 from shardtrain import FSDPConfig, destroy_distributed, init_distributed, load_pretrained
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.parallel.layout import apply_parallelism
+from shardtrain.parallel.layout import Layout, apply_layout
 from shardtrain.parallel.loading import RANK0_READ
 
 
@@ -57,7 +58,7 @@ def load(path: Path, config: FSDPConfig, ep: int, records: LogLines, **kwargs) -
     if ep > 1:
         dims = ParallelDims.resolve(world_size=dist.get_world_size(), ep=ep, fsdp_config=config)
         meshes = dims.build("cpu")
-        parallelize = lambda m: apply_parallelism(m, meshes, dims, config)  # noqa: E731
+        parallelize = partial(apply_layout, layout=Layout(meshes=meshes, dims=dims, fsdp=config))
     model = load_pretrained(path, config, parallelize=parallelize, **kwargs)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, records.stats[0] if records.stats else None)
