@@ -55,6 +55,20 @@ def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600, e
     return proc
 
 
+def shardtrain_launch(script: str | Path, nproc: int, *args: str, flags: tuple[str, ...] = (), timeout: float = 600,
+                      env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`shardtrain launch --cpu --num_processes N FLAGS script ARGS` as a user runs it (always real processes)."""
+    cmd = [sys.executable, "-m", "shardtrain.cli.main", "launch", "--cpu", "--num_processes", str(nproc), *flags,
+           str(script), *args]
+    return subprocess.run(cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The `error:` lines of a run's stderr, without torchrun's `[rankN]: ` prefix."""
+    lines = [line.split("]: ", 1)[-1] if line.startswith("[rank") else line for line in stderr.splitlines()]
+    return [line for line in lines if line.startswith("error")]
+
+
 def python(script: str | Path, *args: str, timeout: float = 600, env: dict | None = None,
            check: bool = True, pooled: bool | None = None) -> subprocess.CompletedProcess:
     """Run `script` as one plain process (no launcher; pooled by default when `check`)."""

@@ -9,6 +9,7 @@ same input). Other exceptions keep the normal traceback.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -129,12 +130,32 @@ def report(error: BaseException) -> None:
         time.sleep(_SILENT_RANK_EXIT_DELAY_S)
 
 
+# A launcher-started rank (torchrun) that printed its `error:` line says so in torchrun's error file, so that
+# `shardtrain launch` adds no second line of its own (it reads the message back from ChildFailedError).
+# Only under our launcher: plain torchrun would print the reply in its own failure block anyway.
+REPORTED_PREFIX = "shardtrain reported: "
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+LAUNCHED = "SHARDTRAIN_LAUNCHED"  # set to 1 by `shardtrain launch` in every rank's environment
+
+
+def _leave_reply(error: BaseException) -> None:
+    path = os.environ.get(TORCHELASTIC_ERROR_FILE)
+    if not path or os.environ.get(LAUNCHED) != "1":
+        return
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": f"{REPORTED_PREFIX}{error}", "timestamp": int(time.time())}, file)
+    except OSError:  # a missing reply only costs the launcher's own summary line
+        pass
+
+
 _previous_hook = None
 _installed = False
 
 
 def _hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
     if isinstance(error, UserError):
+        _leave_reply(error)
         report(error)
     else:
         (_previous_hook or sys.__excepthook__)(kind, error, tb)

@@ -9,16 +9,20 @@ save_async too (written in the background from the staged shards, on the checkpo
 """
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import torchrun
+from launch import error_lines, torchrun, worker_env
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardtrain.checkpoint.full import INDEX_FILE, SINGLE_FILE, read_full_checkpoint
 from shardtrain.checkpoint.hf_export import STAGING_DIR, owned_files
+from shardtrain.checkpoint.layout import SHARDED_DIR
 from shardtrain.checkpoint.merge import merge_checkpoint
 
 WORKERS = Path(__file__).parent / "workers"
@@ -173,3 +177,31 @@ def test_async_full_state_dict_checkpoints_are_written_by_every_rank(saved, mode
     assert _weight_names(checkpoint) == [SINGLE_FILE] and not (checkpoint / STAGING_DIR).exists()
     loaded = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == (model == "llama_tied")
+
+
+def _merge_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardtrain.cli.main", "merge", *args], capture_output=True,
+                          text=True, timeout=300, env=worker_env())
+
+
+def test_merge_refuses_a_corrupt_shard_or_a_file_as_output_in_one_line(saved, tmp_path):
+    root, _ = saved
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copytree(root / "llama" / "checkpoint-2", checkpoint)
+    shard = max((checkpoint / SHARDED_DIR).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte changed: only the manifest's checksum sees it
+    shard.write_bytes(bytes(data))
+    proc = _merge_cli(str(checkpoint), str(tmp_path / "merged"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [f"error: cannot merge {checkpoint}: {SHARDED_DIR}/{shard.name} does not match "
+                                        f"its checksum in manifest.json (the file was modified or damaged); merge an "
+                                        f"intact checkpoint (nothing was written)"], proc.stderr
+    assert not (tmp_path / "merged").exists()
+    target = tmp_path / "model.bin"
+    target.write_text("not a directory")
+    proc = _merge_cli(str(root / "llama" / "checkpoint-2"), str(target))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [f"error: output path {target} is a file, not a directory; choose a new "
+                                        f"directory (nothing was written)"], proc.stderr
+    assert target.read_text() == "not a directory"

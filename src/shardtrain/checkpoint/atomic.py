@@ -126,9 +126,10 @@ class AtomicWrites:
         dist.all_reduce(failed)
         if not int(failed.item()):
             return
+        full = disk_full(error, self.output_dir)  # before the partial files go: torch.save loses the errno
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if disk_full(error, self.output_dir):
+        if full:
             message = (f"no space left on device in {self.output_dir} while saving {PREFIX}{step}; the partial "
                        f"checkpoint was removed and earlier checkpoints are intact. Free space, or lower "
                        f"save_total_limit")

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, read_full_checkpoint, write_full_checkpoint
 from shardtrain.checkpoint.layout import BASE_FILE, SHARDED_DIR, checkpoint_kind
+from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.errors import CheckpointError
 
@@ -70,9 +71,15 @@ def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *,
     source, out = Path(checkpoint_dir), Path(output_dir)
     if not source.is_dir():
         raise FileNotFoundError(f"checkpoint directory {source} does not exist")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"output path {out} is a file, not a directory; choose a new directory (nothing was "
+                              f"written)")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"output directory {out} is not empty; choose a new directory (nothing was written)")
     kind = checkpoint_kind(source)
+    problem = CheckpointManager.problem(source)  # as resume checks it: the manifest's sizes and checksums
+    if problem is not None:
+        raise CheckpointError(f"cannot merge {source}: {problem}; merge an intact checkpoint (nothing was written)")
     has_adapters = (source / BASE_FILE).is_file()
     if has_adapters != (lora_base is not None):
         raise CheckpointError(

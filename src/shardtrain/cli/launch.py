@@ -7,6 +7,8 @@ r"""`shardtrain launch`: run a script on N processes / M machines through torchr
     shardtrain launch --num_machines 2 --machine_rank 0 --num_processes 4 \
         --main_process_ip 10.0.0.1 --main_process_port 29500 train.py  # + machine_rank 1 on the other host
     shardtrain launch --dry_run train.py                      # print env + torchrun args, start nothing
+    srun --ntasks-per-node=1 shardtrain launch train.py       # Slurm / a PyTorchJob pod: machines, rank and host
+                                                              # come from the scheduler (flags still win)
 
 Flags override the file. Everything is validated before a process starts. The script learns its settings
 from environment variables (the contract read by `TrainingArguments`):
@@ -16,13 +18,16 @@ from environment variables (the contract read by `TrainingArguments`):
     SHARDTRAIN_MIXED_PRECISION=no    no | bf16 | fp16
     SHARDTRAIN_PARALLELISM={"cp_size": 2}   only with --use_parallelism_config / a parallelism_config section
     SHARDTRAIN_CPU=1                 with --cpu / use_cpu: true (otherwise left as it is)
+    SHARDTRAIN_LAUNCHED=1            a rank that prints its `error:` line tells the launcher (no second line)
     OMP_NUM_THREADS=1                when unset
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import logging
 import os
 import signal
 import sys
@@ -32,11 +37,12 @@ from pathlib import Path
 from shardtrain.cli.config_cmd import check_parallel_sizes
 from shardtrain.config import env as env_names
 from shardtrain.config.accelerate_env import FSDP_FLAGS, flag_help, fsdp_from_flags
+from shardtrain.config.cluster import apply_cluster, detect_cluster
 from shardtrain.config.env import true_word
 from shardtrain.config.fsdp_config import parse_fsdp_option
 from shardtrain.config.launch_config import DEFAULT_MULTI_NODE_PORT, LaunchConfig, load_launch_config, map_fsdp_config
 from shardtrain.config.parallelism import SIZE_KEYS, read_parallelism, to_env
-from shardtrain.errors import FSDPConfigError, LaunchConfigError, ParallelismError
+from shardtrain.errors import REPORTED_PREFIX, FSDPConfigError, LaunchConfigError, ParallelismError
 
 ENV_USE_FSDP = env_names.USE_FSDP
 ENV_FSDP_CONFIG = env_names.FSDP_CONFIG
@@ -60,6 +66,7 @@ class LaunchPlan:
     unset: list[str]
     torchrun_argv: list[str]
     warnings: list[str] = field(default_factory=list)
+    cluster: dict[str, object] | None = None  # the scheduler and {setting: [value, source]}, when one was read
 
 
 def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -229,10 +236,12 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     """
     warnings: list[str] = []
     config, source = load_launch_config(args.config_file)
-    if source is None and args.num_processes is None:  # flags that say how many processes answer it
-        warnings.append("no config file found (run `shardtrain config`); settings not given as flags take their "
-                        "defaults (1 process, FSDP on)")
+    file_config = copy.deepcopy(config) if source is not None else None
     _apply_flags(config, args, warnings)
+    cluster_plan = _read_cluster(config, args, file_config, warnings)
+    if source is None and args.num_processes is None and cluster_plan is None:  # flags or a scheduler answer it
+        warnings.insert(0, "no config file found (run `shardtrain config`); settings not given as flags take "
+                           "their defaults (1 process, FSDP on)")
     if config.fsdp_config and not config.use_fsdp:
         config.ignored.append(f"fsdp_config (FSDP is off: distributed_type {config.distributed_type})")
     if config.ignored:
@@ -242,7 +251,7 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     if not Path(args.script).is_file():
         raise LaunchConfigError(f"script {args.script!r} does not exist (looked from {os.getcwd()}); "
                                 f"pass the path of your training script")
-    env = {ENV_MIXED_PRECISION: config.mixed_precision,
+    env = {ENV_MIXED_PRECISION: config.mixed_precision, env_names.LAUNCHED: "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     unset = []
     if fsdp is not None:
@@ -258,7 +267,34 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     if uses_fresh_worker_store(config):
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = torchrun_argv(config, args.script, list(args.script_args))
-    return LaunchPlan(config, env, unset, argv, warnings)
+    return LaunchPlan(config, env, unset, argv, warnings, cluster_plan)
+
+
+def _local_devices(use_cpu: bool) -> int:
+    """Processes per machine when the scheduler does not say: one per visible GPU, one on CPU."""
+    if use_cpu:
+        return 1
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+def _read_cluster(config: LaunchConfig, args: argparse.Namespace, file_config: LaunchConfig | None,
+                  warnings: list[str]) -> dict[str, object] | None:
+    """Slurm / PyTorchJob settings where no flag gave them (`shardtrain.config.cluster`)."""
+    cluster = detect_cluster(os.environ)
+    if cluster is None:
+        return None
+    flags = {name for name in _VALUE_FLAGS if getattr(args, name) is not None}
+    resolved, notes = apply_cluster(config, cluster, flags=flags, file_config=file_config,
+                                    local_devices=_local_devices(config.use_cpu))
+    warnings += notes
+    return {"scheduler": cluster.scheduler, "settings": resolved}
+
+
+def _said_by_launch(record: logging.LogRecord) -> bool:
+    """Drop the agent's per-worker lines on a failed run; `execute` says the same in one `error:` line."""
+    return not str(record.msg).startswith(("Sending process", "failed (exitcode"))
 
 
 def execute(plan: LaunchPlan) -> int:
@@ -273,9 +309,12 @@ def execute(plan: LaunchPlan) -> int:
         os.environ.pop(name, None)
     os.environ.update(plan.env)
     torchrun_args = get_args_parser().parse_args(plan.torchrun_argv)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_said_by_launch)
     try:
         run(torchrun_args)
     except ChildFailedError as err:
+        if any(str(failure.message).startswith(REPORTED_PREFIX) for failure in err.failures.values()):
+            return 1  # a rank printed the `error:` line already
         codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
         print(f"error: {torchrun_args.training_script} failed (exit codes by global rank: {codes}); see the "
               f"output above", file=sys.stderr)
@@ -300,7 +339,8 @@ def run_launch(args: argparse.Namespace) -> int:
     for line in plan.warnings:
         print(f"warning: {line}", file=sys.stderr)
     if args.dry_run:
-        plan_json = {"env": plan.env, "unset": plan.unset, "torchrun_argv": plan.torchrun_argv}
+        plan_json = {"env": plan.env, "unset": plan.unset, "torchrun_argv": plan.torchrun_argv,
+                     "cluster": plan.cluster}
         print(json.dumps(plan_json, indent=2))
         return 0
     return execute(plan)

@@ -1,4 +1,4 @@
-"""`shardtrain` entry point: argparse subcommands config / launch / merge / report / env / plan.
+"""`shardtrain` entry point: argparse subcommands config / launch / merge / report / env / plan / verify.
 
     shardtrain config                                  # write $SHARDTRAIN_HOME/default_config.yaml
     shardtrain launch [flags] train.py [script args]   # run on N processes / M machines
@@ -8,6 +8,7 @@
     shardtrain env                                     # versions, backends, devices, config
     shardtrain --version
     shardtrain plan config.json --world-size 8 --device-memory 80GiB   # will it fit? memory + step time
+    shardtrain verify --cpu --layouts 2,4 train.py     # your script: 1 process vs N ranks, step by step
     python -m shardtrain.cli.main ...                  # same, without the console script
 
 Exit codes: 0 ok, 1 the launched script failed, 2 a usage/config error (message `error: ...` on stderr).
@@ -22,6 +23,7 @@ from shardtrain.cli.config_cmd import add_config_parser
 from shardtrain.cli.env_cmd import add_env_parser
 from shardtrain.cli.launch import add_launch_parser, normalize_fsdp_flag
 from shardtrain.cli.plan_cmd import add_plan_parser
+from shardtrain.cli.verify_cmd import add_verify_parser
 from shardtrain.errors import FSDPConfigError, LaunchConfigError
 
 
@@ -51,7 +53,7 @@ def run_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `shardtrain` parser with its subcommands."""
     parser = argparse.ArgumentParser(
-        prog="shardtrain", description="FSDP2 training: config, launch, merge, env, plan.", allow_abbrev=False
+        prog="shardtrain", description="FSDP2 training: config, launch, merge, env, plan, verify.", allow_abbrev=False
     )
     from shardtrain import __version__
 
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=run_report)
     add_env_parser(subparsers)
     add_plan_parser(subparsers)
+    add_verify_parser(subparsers)
     return parser
 
 

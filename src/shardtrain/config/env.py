@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from shardtrain.config import values
+from shardtrain.errors import LAUNCHED as LAUNCHED  # "1" under `shardtrain launch` (errors.py writes the reply)
 from shardtrain.errors import EnvError
 
 USE_FSDP = "SHARDTRAIN_USE_FSDP"  # true: FSDP on
@@ -20,6 +21,7 @@ CPU = "SHARDTRAIN_CPU"  # true: CPU + gloo even when GPUs are visible
 FAULT = "SHARDTRAIN_FAULT"  # tests only: "<point>:<rank>:<step>" SIGKILLs that rank there
 EXIT_TIMEOUT = "SHARDTRAIN_EXIT_TIMEOUT"  # seconds a finished rank waits at exit for its peers (default 60)
 CPU_ALLOCATOR = "SHARDTRAIN_CPU_ALLOCATOR"  # tuned (default) | default: glibc malloc settings on CPU runs
+VERIFY = "SHARDTRAIN_VERIFY"  # JSON set by `shardtrain verify`: cap the run and dump its figures (train/verify.py)
 GLOO_REDUCE_SCATTER = "SHARDTRAIN_GLOO_REDUCE_SCATTER"  # all_to_all (default) | native: FSDP2's gradient reduction
 
 # torchrun's (`torch.distributed.run`) variables in every worker, read once into the run description (RunSpec)

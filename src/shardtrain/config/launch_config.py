@@ -265,8 +265,9 @@ class LaunchConfig:
             raise LaunchConfigError(f"{where}: num_machines is {machines} but main_process_ip is not set; "
                                     f"set it to the address of the machine with machine_rank 0")
         fsdp = validate_fsdp(self.fsdp_config, where) if (self.fsdp_config or self.use_fsdp) else None
-        if self.use_parallelism_config and check_sizes is not None:  # the layer above passes ParallelDims.resolve
-            sizes = {k.removesuffix("_size"): v for k, v in self.parallelism.items()}
+        if check_sizes is not None and (self.use_parallelism_config or fsdp is not None):  # the layer above
+            sizes = {k.removesuffix("_size"): v for k, v in self.parallelism.items()} \
+                if self.use_parallelism_config else {}  # passes ParallelDims.resolve
             try:
                 check_sizes(world_size=procs, fsdp_config=fsdp, local_world_size=self.nproc_per_node, **sizes)
             except ParallelDimsError as err:

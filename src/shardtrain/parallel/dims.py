@@ -91,7 +91,29 @@ class ParallelDims:
             raise ParallelDimsError(
                 f"ep_size = {ep} must divide dp_shard x cp x tp = {dp_shard * cp * tp} (experts are spread over "
                 f"those ranks); choose a divisor of {dp_shard * cp * tp}")
-        return cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=world_size)
+        dims = cls(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=world_size)
+        dims.check_reshard_size(config)
+        return dims
+
+    def check_reshard_size(self, config: FSDPConfig) -> None:
+        """An int `reshard_after_forward` must divide every group `fully_shard` shards over (torch's rule).
+
+        Raises:
+            ParallelDimsError: naming the value, the group's size and the values that work.
+        """
+        value = config.reshard_after_forward
+        if isinstance(value, bool) or not isinstance(value, int):
+            return
+        groups = {"dense parameters (dp_shard x cp)": self.dp_shard * self.cp}
+        if self.ep > 1:
+            groups["experts (dp_shard x cp x tp / ep)"] = self.efsdp
+        for what, size in groups.items():
+            if size % value:
+                works = [d for d in range(2, size) if size % d == 0]
+                fix = (f"one of {works}, " if works else "") + "true (reshard over all of them) or false"
+                raise ParallelDimsError(
+                    f"fsdp_config key 'reshard_after_forward' is {value}, which does not divide the {size} "
+                    f"rank{'s' if size != 1 else ''} that shard the {what}; set it to {fix}")
 
     @property
     def batch_size(self) -> int:

@@ -43,6 +43,7 @@ from shardtrain.errors import (
     UserError,
     install_error_hook,
 )
+from shardtrain.train import verify
 from shardtrain.train.args import hf_fields as hf_compat
 from shardtrain.train.args.checks import (  # noqa: F401 (the vocabularies: re-exported)
     COMPILE_MODES,
@@ -118,6 +119,8 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         install_error_hook()  # a bad argument is one `error:` line, not a traceback
+        if (wanted := verify.request()) is not None:  # under `shardtrain verify`: K steps, measured, nothing kept
+            verify.apply_request(self, wanted)
         check_types(self)
         self._resolve_parallelism()  # the sizes the parallelism_config and the launcher give, checked next
         check_numbers(self)

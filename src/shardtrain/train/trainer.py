@@ -72,6 +72,7 @@ from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.parallel.states import TorchStates
+from shardtrain.train import verify
 from shardtrain.train.args.checks import check_compute_metrics
 from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides
 from shardtrain.train.args.preflight import DatasetChecks, check_training_inputs, resolve_resume
@@ -454,6 +455,9 @@ class Trainer(transformers.Trainer):
         self.log(dict(metrics))
         self.logger.draw_report()
         self._fire("on_train_end")
+        if (wanted := verify.request()) is not None:  # `shardtrain verify`: the figures, then the script ends here
+            verify.write_dump(self, wanted)
+            raise SystemExit(0)
         return TrainOutput(self.state.global_step, window.training_loss, metrics)
 
     def _log_training_plan(self, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int) -> None:

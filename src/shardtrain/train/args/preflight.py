@@ -14,6 +14,7 @@ import torch
 from shardtrain.checkpoint.layout import PREFIX, SHARDED_DIR
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
+from shardtrain.train.args.trackers import tracker_problem
 from shardtrain.train.data.validation import ModelLimits, validate_dataset
 
 
@@ -60,7 +61,8 @@ def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart
 
 def check_training_inputs(args: Any, *, train_dataset: Any, eval_dataset: Any, cp_size: int,
                           custom_loss: bool) -> None:
-    """The datasets `train()` needs for `args`, and a loss that context parallelism can split."""
+    """The datasets `train()` needs for `args`, the trackers' credentials, and a loss that context parallelism can
+    split."""
     if train_dataset is None:
         raise DataError("Trainer.train() needs a train_dataset; pass Trainer(..., train_dataset=...)")
     if args.eval_strategy != "no" and eval_dataset is None:
@@ -69,6 +71,9 @@ def check_training_inputs(args: Any, *, train_dataset: Any, eval_dataset: Any, c
     if args.load_best_model_at_end and eval_dataset is None:
         raise DataError("TrainingArguments.load_best_model_at_end needs an eval_dataset to choose the best "
                         "checkpoint; pass Trainer(..., eval_dataset=...)")
+    problem = tracker_problem(list(args.report_to or []))
+    if problem is not None:
+        raise TrainingArgumentsError(problem)
     if cp_size > 1 and custom_loss:
         raise TrainingArgumentsError(
             f"cp_size = {cp_size} with a custom compute_loss / compute_loss_func: under context parallelism "
