@@ -11,8 +11,8 @@ It prints, per layout, the largest difference from one process in the loss, the 
 weights, the first step and the first parameter beyond `--tolerance`, and a verdict.
 
 Exit status: 0 every layout equals one process within the tolerance; 1 one differs (a layout-dependent script:
-usually a loss averaged per device, not over the global batch); 3 one differs and the script's loss depends on the
-layout by nature (in-batch negatives); 2 a usage error or a run that failed.
+usually a loss averaged per device, not over the global batch); 3 one differs and the script depends on the layout
+by nature (in-batch negatives, dropout); 2 a usage error or a run that failed.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def run_verify(args: argparse.Namespace) -> int:
     size = max(first["loss"], first["grad_norm"], first["weights"])
     if ref.get("layout_dependent"):
         print(f"verdict: layout-dependent by nature - {ref['layout_dependent']}. {layout.label} differs from one "
-              f"process from {where} (by up to {size:.3g}); that is the loss's definition, not a bug")
+              f"process from {where} (by up to {size:.3g}); that follows from the model or the loss, not from a bug")
         return 3
     print(f"verdict: DIFFERS - {layout.label} leaves one process at {where}, by up to {size:.3g} (tolerance "
           f"{args.tolerance:g}); first parameter beyond it: {first['first_parameter'] or 'none'}. A loss averaged "

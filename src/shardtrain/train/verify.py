@@ -23,7 +23,8 @@ from shardtrain.errors import TrainingArgumentsError
 DUMP_FILE = "verify.json"  # per step: loss, grad norm; the batch split; a layout-dependent loss, if any
 WEIGHTS_FILE = "weights.safetensors"  # the final weights, whole, in the model's parameter order
 
-# Losses whose value depends on which samples share a micro-batch (in-batch negatives): sentence-transformers'
+# Losses whose value depends on which samples share a micro-batch (in-batch negatives): sentence-transformers'.
+# Dropout is the other layout dependence by nature (masks drawn per rank); `layout_dependence` names either.
 IN_BATCH_NEGATIVES = frozenset({
     "MultipleNegativesRankingLoss", "CachedMultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss", "GISTEmbedLoss", "CachedGISTEmbedLoss", "MegaBatchMarginLoss",
@@ -64,8 +65,10 @@ def apply_request(args: Any, wanted: dict[str, Any]) -> None:
             setattr(args, name, int(wanted[name]))
 
 
-def layout_dependent_loss(trainer: Any) -> str | None:
-    """Why the script's loss depends on the layout by nature (in-batch negatives), or None."""
+def layout_dependence(trainer: Any) -> str | None:
+    """Why the script's run depends on the layout by nature (in-batch negatives, dropout), or None."""
+    import torch
+
     loss = getattr(trainer, "loss", None)
     modules = loss.values() if isinstance(loss, dict) else [loss]
     for module in modules:
@@ -74,6 +77,14 @@ def layout_dependent_loss(trainer: Any) -> str | None:
             return (f"{name} takes its negatives from the other samples of the micro-batch, so a sample's loss "
                     f"depends on which samples share its micro-batch: on the number of ranks and the "
                     f"accumulation steps")
+    dropout = [m.p for m in trainer.model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p]
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    attention = float(getattr(config, "attention_dropout", 0) or 0) if config is not None else 0.0
+    if dropout or attention:
+        where = f"{len(dropout)} dropout modules (p up to {max(dropout, default=attention):g})" if dropout else \
+            f"attention_dropout {attention:g}"
+        return (f"the model has {where}: each rank draws its own masks, so the samples' masks depend on the "
+                f"layout; turn dropout off to compare the rest of the script")
     return None
 
 
@@ -99,4 +110,4 @@ def write_dump(trainer: Any, wanted: dict[str, Any]) -> None:
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "steps": [entry["step"] for entry in logs], "losses": [entry["loss"] for entry in logs],
         "grad_norms": [entry.get("grad_norm") for entry in logs],
-        "parameters": list(weights), "layout_dependent": layout_dependent_loss(trainer)}, indent=1))
+        "parameters": list(weights), "layout_dependent": layout_dependence(trainer)}, indent=1))

@@ -1,0 +1,85 @@
+"""`shardtrain verify` on our example scripts and on the mistake it exists to catch.
+
+    /work/main/.venv/bin/python -m pytest tests/cli/test_verify.py -q
+
+A classifier (the real BERT, dropout off) and a causal LM with padding equal one process on 2 ranks and on 2 ranks
+x accumulation 2; the contrastive sentence-transformers loss (in-batch negatives) is reported as layout-dependent
+by nature; a compute_loss that averages over its own micro-batch fails with the step and the size of the
+difference.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO, SCRIPTS, cli_cmd, explain
+from launch import worker_env
+from tiny_models import tiny_gpt2, tiny_llama
+
+from shardtrain.cli.verify_cmd import parse_layouts
+from shardtrain.errors import LaunchConfigError
+from shardtrain.train.verify import layout_dependence
+
+EXAMPLES = REPO / "examples"
+DATA = EXAMPLES / "data"
+
+
+def test_layouts_are_read_by_count_and_by_axis():
+    layouts = parse_layouts("2,dp2xcp2,tp2", [1, 2])
+    assert [(layout.label, layout.world_size) for layout in layouts] == [
+        ("2 x acc 1", 2), ("2 x acc 2", 2), ("dp2xcp2 x acc 1", 4), ("dp2xcp2 x acc 2", 4), ("tp2 x acc 1", 2),
+        ("tp2 x acc 2", 2)]
+    with pytest.raises(LaunchConfigError, match="dp2xcp2"):
+        parse_layouts("dp2-cp2", [1])
+
+
+def test_dropout_is_named_as_a_layout_dependence_by_nature():
+    assert layout_dependence(SimpleNamespace(model=tiny_llama())) is None
+    reason = layout_dependence(SimpleNamespace(model=tiny_gpt2(dropout=0.1)))
+    assert reason.startswith("the model has ") and "dropout modules (p up to 0.1)" in reason
+
+
+def _verify(tmp_path, *args: object) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cli_cmd("verify", "--cpu", "--keep", tmp_path / "runs", *args), env=worker_env(),
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    print(proc.stdout)
+    return proc
+
+
+def _row(proc: subprocess.CompletedProcess, label: str) -> list[str]:
+    line = next(line for line in proc.stdout.splitlines() if line.startswith(label))
+    return line[len(label):].split()
+
+
+@pytest.mark.parametrize("script", ["causal_lm_with_padding", "classifier"])
+def test_our_examples_equal_one_process_on_every_layout(tmp_path, script):
+    args = [EXAMPLES / "train_demo.py", "--output_dir", tmp_path / "out"] if script == "causal_lm_with_padding" else \
+        [EXAMPLES / "run_classification.py", "--output_dir", tmp_path / "out", "--train_file",
+         DATA / "reviews_train.csv", "--validation_file", DATA / "reviews_validation.csv", "--do_train",
+         "--per_device_train_batch_size", "8", "--no_dropout", "--max_steps", "30", "--fsdp", "full_shard auto_wrap"]
+    proc = _verify(tmp_path, "--layouts", "2", "--accumulation", "1,2", "--steps", "2", *args)
+    assert proc.returncode == 0, explain(proc)
+    assert "verdict: same run - every layout equals one process within 1e-05" in proc.stdout
+    for label in ("2 x acc 1", "2 x acc 2"):
+        *diffs, first_step, first_parameter = _row(proc, label)[3:]
+        assert all(float(d) <= 1e-5 for d in diffs) and (first_step, first_parameter) == ("-", "-"), proc.stdout
+    assert not (tmp_path / "out").exists()  # verify's runs write under --keep only
+
+
+def test_in_batch_negatives_are_reported_as_layout_dependent_by_nature(tmp_path):
+    proc = _verify(tmp_path, "--layouts", "2", "--steps", "2", EXAMPLES / "train_embeddings.py",
+                   "--output_dir", tmp_path / "out")
+    assert proc.returncode == 3, explain(proc)
+    assert "verdict: layout-dependent by nature - MultipleNegativesRankingLoss takes its negatives" in proc.stdout
+
+
+def test_a_loss_averaged_per_device_fails_with_the_step_and_the_size(tmp_path):
+    proc = _verify(tmp_path, "--layouts", "2", "--steps", "2", SCRIPTS / "per_device_mean.py")
+    assert proc.returncode == 1, explain(proc)
+    loss, grad, weight, first_step, first_parameter = _row(proc, "2 x acc 1")[3:]
+    assert first_step == "1" and float(loss) > 1e-3 and first_parameter == "model.embed_tokens.weight"
+    verdict = proc.stdout.splitlines()[-1]
+    assert verdict.startswith(f"verdict: DIFFERS - 2 x acc 1 leaves one process at step 1, by up to "
+                              f"{max(float(loss), float(grad), float(weight)):.3g}")
