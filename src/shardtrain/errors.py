@@ -101,6 +101,10 @@ class DataError(UserError, ValueError):
     """A dataset the Trainer cannot train on; the message names the dataset, the sample and the fix."""
 
 
+class StepGuardError(UserError, RuntimeError):
+    """The step guard skipped too many steps in a row (TrainingArguments.step_guard's max_in_a_row)."""
+
+
 class OutputDirError(UserError, OSError):
     """An output directory that cannot be written."""
 
@@ -116,14 +120,22 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+def print_line(text: str) -> None:
+    """One line on stderr, starting a line of its own while a progress bar (tqdm's) is being drawn."""
+    tqdm = sys.modules.get("tqdm")
+    if getattr(getattr(tqdm, "tqdm", None), "_instances", None):
+        text = "\n" + text
+    print(text, file=sys.stderr, flush=True)
+
+
 def report(error: BaseException) -> None:
     """Print `error` as one `error: ...` line on stderr (only on rank 0 when every rank has it)."""
     rank = _rank()
     agreed = getattr(error, "agreed", True)
     if rank == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        print_line(f"error: {error}")
     elif not agreed:
-        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        print_line(f"error (rank {rank}): {error}")
     else:
         # A silent rank that exits first makes torchrun stop rank 0 before it has printed the message; give
         # rank 0 a moment (torchrun ends this wait as soon as rank 0 has exited).

@@ -326,6 +326,10 @@ class PlannerStepHooks:
         self.optimizer.zero_grad(set_to_none=True)
         return 0.0
 
+    def discard_step(self) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        return 0.0
+
 
 def _device_peak_offloaded(tracker: Any) -> int:
     """The peak without the tensors that CPU offload keeps on the host, over every snapshot the tracker kept."""

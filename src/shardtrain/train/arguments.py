@@ -110,6 +110,8 @@ class TrainingArguments(transformers.TrainingArguments):
     loss_chunk_size: int | str | None = _help("tokens per chunk of LM head + cross entropy; 'auto'; None: off")
     pack_sequences: bool = field(default=False, metadata={"help": "pack each training micro-batch into one row "
                                                                   "(no padding; documents kept apart)"})
+    step_guard: bool | dict | str | None = _help("skip non-finite (opt-in: spiking) steps on every rank; true or "
+                                                 "{spike_factor, window, max_in_a_row}")
     # as Hugging Face's Seq2SeqTrainingArguments
     predict_with_generate: bool = field(default=False, metadata={"help": "evaluate/predict generate answers"})
     generation_max_length: int | None = _help("generation: maximum total length")

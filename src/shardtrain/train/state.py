@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,9 @@ class TrainerState(_HFTrainerState):
     global_batch_size: int = 0
     data_epoch: int = 0  # where the data stands after global_step: the pass and the steps taken in it
     data_step: int = 0
+    skipped_steps: int = 0  # steps the step guard skipped (not counted in global_step; their batches were used up)
+    skipped_batches: list = field(default_factory=list)  # each: step, epoch, data_step, reason, samples
+    guard_window: list = field(default_factory=list)  # the step guard's recent kept losses (its spike median)
 
     @classmethod
     def engine_fields(cls) -> set[str]:

@@ -67,6 +67,7 @@ from shardtrain.errors import (
     TrainerOverrideError,
     TrainingArgumentsError,
     install_error_hook,
+    print_line,
 )
 from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.fsdp import reshard_all
@@ -98,11 +99,13 @@ from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step.batch_finder import out_of_memory, smaller_batch
 from shardtrain.train.step.chunked_loss import resolve_chunk_size
+from shardtrain.train.step.guard import GuardedRun
 from shardtrain.train.step.loss import LossComputer
 from shardtrain.train.step.optim import (
     build_optimizer,
     build_scheduler,
     check_given_optimizer,
+    discard_step,
     step_optimizer_and_scheduler,
     steps_on_metric,
 )
@@ -410,10 +413,13 @@ class Trainer(transformers.Trainer):
         if resume is not None:
             self._load_for_resume(resume, plan, max_steps)
         # this run's step (its max_grad_norm may be a trial's)
+        self._guarded = GuardedRun.start(args.step_guard, self.state, args.output_dir, resuming=resume is not None,
+                                         rank=self.rank)
         self._engine_step = OptimizerStep(model=self.model, dims=self.dims, device=self.device,
                                           all_reduce=self.backend.all_reduce, max_grad_norm=args.max_grad_norm,
                                           sharded=self.backend.is_sharded(self.model), loss=self.loss_computer,
-                                          preemption=self.preemption)
+                                          preemption=self.preemption,
+                                          guard=self._guarded.guard if self._guarded is not None else None)
         start_step, start_time = self.state.global_step, time.time()
         window = LossWindow(lambda t: self.backend.all_reduce(t, group=self.meshes.loss.get_group()),
                             nan_inf_filter=args.logging_nan_inf_filter)
@@ -552,20 +558,30 @@ class Trainer(transformers.Trainer):
         while self.state.global_step < max_steps and not self.control.should_training_stop:
             # where the data stands: derived from the step (map-style), or saved with it (a stream)
             epoch, start = (self.state.data_epoch, self.state.data_step) if isinstance(plan, StreamPlan) else \
-                divmod(self.state.global_step, plan.steps_per_epoch)
+                divmod(self.state.global_step + self.state.skipped_steps, plan.steps_per_epoch)
             if not shrunk:
                 self.control.should_epoch_stop = False
                 self._fire("on_epoch_begin")
             shrunk = False
             for step, (batches, placeholders) in enumerate(data.epoch_steps(plan, epoch, start), start):
+                if self._guarded is not None and self._guarded.is_recorded(epoch, step):  # skipped before a resume
+                    self._guarded.pass_recorded(self.state, epoch, step)
+                    self.state.data_epoch, self.state.data_step = epoch, step + 1
+                    continue
                 try:
                     self._fire("on_step_begin")
-                    last = self._optimizer_step(batches, placeholders)
+                    result = self._optimizer_step(batches, placeholders)
+                    if result.skipped is not None:
+                        self._skip_step(result.skipped, plan, epoch, step)
+                        continue
+                    last = result
                     self.state.global_step += 1
                     self.state.data_epoch, self.state.data_step = epoch, step + 1
                     self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
                         float(epoch)  # a stream: the passes completed
                     window.add(last.loss_sum, last.tokens)
+                    if self._guarded is not None:
+                        self.state.guard_window = self._guarded.guard.state()
                     self.logger.step_done(self.state.num_input_tokens_seen)
                     self._fire("on_step_end")
                 except Exception as err:
@@ -590,6 +606,21 @@ class Trainer(transformers.Trainer):
             self._maybe_log_evaluate_save(window, last)  # what on_epoch_end asked for (epoch strategies)
         if window:  # steps after the last log entry: in train_loss, as under Hugging Face
             window.fold()
+
+    def _skip_step(self, reason: str, plan: BatchPlan | StreamPlan | LoaderPlan, epoch: int, step: int) -> None:
+        """The step guard skipped this step (every rank alike): record it, say so, move the data on; too many in
+        a row stop the run (StepGuardError) with the checkpoints as they are."""
+        samples = None
+        if isinstance(plan, BatchPlan):
+            size = plan.global_batch_size
+            samples = [i for i in plan.permutation(epoch)[step * size:(step + 1) * size] if i >= 0]
+        line = self._guarded.skip(self.state, reason, epoch, step, samples)
+        self.state.data_epoch, self.state.data_step = epoch, step + 1
+        if self.rank == 0:
+            print_line(f"warning: {line}")
+        self.log({"skipped_steps": self.state.skipped_steps})
+        saved = CheckpointManager.list_checkpoints(self.args.output_dir)
+        self._guarded.guard.skipped(self.state.global_step, reason, saved[-1].name if saved else None)
 
     def _training_data(self) -> TrainingData:
         """The training batches' part, at the per-device batch `auto_find_batch_size` came down to."""
@@ -1141,6 +1172,10 @@ class TrainerStepHooks:
 
     def between_micro_steps(self) -> None:
         self.step_owner._fire("on_substep_end")
+
+    def discard_step(self) -> float:
+        trainer = self.step_owner
+        return discard_step(trainer.optimizer, trainer.lr_scheduler, trainer.backend)
 
     def optimizer_step(self) -> float:
         trainer = self.step_owner

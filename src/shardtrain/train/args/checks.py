@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.config.values import FALSE_WORDS, TRUE_WORDS
 from shardtrain.errors import TrainingArgumentsError
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -169,6 +170,7 @@ def check_choices(args: Any) -> None:
         args.loss_chunk_size = parse_setting(args.loss_chunk_size)
     except ChunkedLossError as err:
         raise TrainingArgumentsError(str(err)) from None
+    args.step_guard = _step_guard_setting(args.step_guard)
     reporters = [args.report_to] if isinstance(args.report_to, str) or args.report_to is None else \
         list(args.report_to)
     from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
@@ -262,3 +264,21 @@ def check_conflicts(args: Any) -> None:
         args.gradient_checkpointing_kwargs = args.gradient_checkpointing_kwargs or \
             args.activation_checkpointing_kwargs
     args.activation_checkpointing = bool(args.activation_checkpointing)
+
+
+def _step_guard_setting(value: Any) -> bool | dict | None:
+    """`step_guard` as true/false or a dict (a command line gives text: a true/false word or JSON), checked."""
+    from shardtrain.train.step.guard import StepGuardConfig
+
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS or word in FALSE_WORDS:
+            value = word in TRUE_WORDS
+        else:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise TrainingArgumentsError(f"TrainingArguments.step_guard got {value!r}; use true, or JSON such as "
+                                             "'{\"spike_factor\": 10}'") from None
+    StepGuardConfig.from_setting(value)
+    return value

@@ -108,7 +108,7 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
 # Fields that are ours (not Hugging Face's), and what the compatibility table (docs/hugging-face.md) says of some
 # fields.
 OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async",
-              "loss_chunk_size", "pack_sequences", "predict_with_generate", "generation_max_length",
+              "loss_chunk_size", "pack_sequences", "step_guard", "predict_with_generate", "generation_max_length",
               "generation_num_beams"}
 FIELD_NOTES = {
     "cp_size": "context-parallel size: sequences split over cp ranks (causal LMs; see docs/parallelism.md)",
@@ -128,6 +128,8 @@ FIELD_NOTES = {
                            "(padding cut as for predictions); 'loss' is refused (a micro-batch mean)",
     "pack_sequences": "causal LMs: each training micro-batch is one padding-free row (DataCollatorWithFlattening); "
                       "documents kept apart; evaluation stays padded",
+    "step_guard": "skip a step whose global loss or gradient norm is not finite (opt-in: a loss spike) on every "
+                  "rank together; its batch is recorded and never fed again (see docs/step-guard.md)",
     "torch_compile": "each FSDP unit (e.g. decoder layer) compiled before sharding, torchtitan's way; not with ep",
     "predict_with_generate": "as Seq2SeqTrainingArguments: evaluate/predict generate answers (causal LMs)",
     "generation_max_length": "as Seq2SeqTrainingArguments (total length); default: the longest answer, new tokens",

@@ -87,7 +87,7 @@ def _replication(grad: torch.Tensor, world_size: int) -> int:
 
 
 def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, world_size: int,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device, carry: torch.Tensor | None = None) -> torch.Tensor:
     """Clip the gradients (of the step's mean loss) to `max_norm` in one all-reduce; their 2-norm before clipping.
 
     The norm is computed on the local shards of the DTensor gradients (shards that are replicated, as in HSDP, are
@@ -98,6 +98,7 @@ def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, world_size: 
         max_norm: clip the gradient norm to this; <= 0: no clipping (the norm is still computed: it is logged).
         world_size: ranks in the default process group.
         device: the collective's device (the run's; CPU-offloaded gradients are summed there too).
+        carry: float64 values summed over the ranks in the same all-reduce (in place): the step guard's loss sum.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     locals_: list[torch.Tensor] = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
@@ -110,7 +111,13 @@ def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, world_size: 
         norms = torch._foreach_norm(tensors, 2.0)
         part = torch.stack([n.to(torch.float64) for n in norms]).square().sum() / replication
         sumsq += part.to(sumsq.device)
-    if world_size > 1:
+    if carry is not None:  # one all-reduce for both
+        both = torch.cat([sumsq.reshape(1), carry.to(sumsq.device, torch.float64).reshape(-1)])
+        if world_size > 1:
+            dist.all_reduce(both)
+        sumsq = both[0]
+        carry.copy_(both[1:].reshape(carry.shape).to(carry.device))
+    elif world_size > 1:
         dist.all_reduce(sumsq)
     norm = sumsq.sqrt()
     if max_norm > 0:
@@ -125,6 +132,14 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     for tensor in tensors:
         groups.setdefault(tensor.device, []).append(tensor)
     return groups
+
+
+def discard_step(optimizer: torch.optim.Optimizer, scheduler: Any, backend: Any) -> float:
+    """A step the guard skipped: its gradients dropped, no optimizer or scheduler step; the learning rate it had."""
+    optimizer.zero_grad(set_to_none=True)
+    backend.step_end()
+    return optimizer.param_groups[0]["lr"] if scheduler is None or steps_on_metric(scheduler) else \
+        scheduler.get_last_lr()[0]
 
 
 def step_optimizer_and_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any, backend: Any,

@@ -29,6 +29,7 @@ from torch import nn
 from shardtrain.errors import DataError
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.expert import rescale_expert_grads
+from shardtrain.train.step.guard import StepGuard
 from shardtrain.train.step.loss import LossComputer
 from shardtrain.train.step.optim import clip_grads
 from shardtrain.train.step.preemption import Preempted, PreemptionHandler
@@ -48,6 +49,9 @@ class StepHooks(Protocol):
     def optimizer_step(self) -> float:
         """Step the optimizer (and scheduler) and clear the gradients; the learning rate the step used."""
 
+    def discard_step(self) -> float:
+        """The step guard skipped the step: clear the gradients, step nothing; the learning rate it had."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
@@ -59,6 +63,7 @@ class StepResult:
         input_tokens: the global batch's input tokens.
         grad_norm: the gradient norm of the step's mean loss, before clipping.
         learning_rate: the rate this step used (what Hugging Face logs).
+        skipped: why the step guard skipped the step (nothing was updated), or None.
     """
 
     loss_sum: torch.Tensor
@@ -66,6 +71,7 @@ class StepResult:
     input_tokens: int
     grad_norm: torch.Tensor
     learning_rate: float
+    skipped: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +87,7 @@ class OptimizerStep:
         sharded: FSDP holds the model (it averages gradients over its ranks; one reduce-scatter per step).
         loss: the model's `LossComputer` (counts targets; marks placeholder micro-batches).
         preemption: SIGTERM's flag, agreed on by every rank before each step (None: not watched).
+        guard: the step guard (None: every step is applied); its loss travels in clipping's all-reduce.
     """
 
     model: nn.Module
@@ -91,6 +98,7 @@ class OptimizerStep:
     sharded: bool
     loss: LossComputer
     preemption: PreemptionHandler | None = None
+    guard: StepGuard | None = None
 
     def run(self, batches: list[Any], placeholders: list[bool] | None, hooks: StepHooks, *, step: int,
             by_samples: bool, counts: tuple[int, int] | None = None) -> StepResult:
@@ -129,10 +137,18 @@ class OptimizerStep:
                 hooks.between_micro_steps()
         if self.dims.ep > 1:
             rescale_expert_grads(self.model)
-        grad_norm = clip_grads(self.model.parameters(), self.max_grad_norm, self.dims.world_size, self.device)
-        learning_rate = hooks.optimizer_step()
+        carry = loss_sum.detach().to(torch.float64).reshape(1).clone() if self.guard is not None else None
+        grad_norm = clip_grads(self.model.parameters(), self.max_grad_norm, self.dims.world_size, self.device,
+                               carry=carry)
+        skipped = None
+        if self.guard is not None:  # the global mean loss (tp ranks hold the same sum) and norm: one decision
+            loss = float(carry.item()) / self.dims.tp / targets
+            skipped = self.guard.judge(loss, float(grad_norm))
+            if skipped is None:
+                self.guard.kept(loss)
+        learning_rate = hooks.optimizer_step() if skipped is None else hooks.discard_step()
         return StepResult(loss_sum=loss_sum, tokens=targets, input_tokens=inputs, grad_norm=grad_norm,
-                          learning_rate=learning_rate)
+                          learning_rate=learning_rate, skipped=skipped)
 
     def global_counts(self, local: torch.Tensor, step: int, counted: bool = True) -> tuple[int, int]:
         """(target tokens or samples, input tokens) of the global batch from this rank's `local` counts, in one
