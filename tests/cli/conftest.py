@@ -69,3 +69,19 @@ def launch_ok(home: Path, *args: object, cwd: Path | None = None, **env: str) ->
                           timeout=600, cwd=cwd)
     assert proc.returncode == 0, explain(proc)
     return proc
+
+
+def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 400) -> list[tuple]:
+    """Start every (command, environment) at once (the "machines" of a multi-machine launch), wait for all, and fail
+    the test with the ends of the streams of any that did not exit 0; returns (proc, stdout, stderr) of each."""
+    procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd, env in commands]
+    try:
+        done = [(proc, *proc.communicate(timeout=timeout)) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, stdout, stderr in done:
+        assert proc.returncode == 0, explain(proc, stdout, stderr)
+    return done

@@ -1,5 +1,6 @@
 """`shardtrain launch` inside Slurm and a Kubeflow PyTorchJob: the scheduler's environment read, flags winning,
-contradictions refused, and two "machines" on loopback training as one machine with the same world size does.
+contradictions refused, and two "machines" on loopback training as one machine with the same world size does;
+`srun python train.py` with a task per device (no launcher) as well.
 
     /work/main/.venv/bin/python -m pytest tests/cli/test_cluster.py -q
 """
@@ -8,14 +9,15 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SCRIPTS, cli_cmd, cli_env, explain
+from conftest import REPO, SCRIPTS, cli_cmd, cli_env, explain, run_together
 from launch import read_json
 
 from shardtrain.cli.main import main
-from shardtrain.config.cluster import detect_cluster, expand_nodelist
+from shardtrain.config.cluster import detect_cluster, expand_nodelist, srun_worker_environment
 from shardtrain.errors import LaunchConfigError
 from shardtrain.parallel.distributed import find_free_port
 
@@ -125,19 +127,13 @@ def test_a_config_file_that_contradicts_the_scheduler_is_one_error_naming_both(h
                                         "choose"]
 
 
-def _two_machines(home: Path, out: Path, environ_of: dict[int, dict[str, str]]) -> list[dict]:
-    """Two `shardtrain launch` processes (one per "machine", one rank each) that know only the environment."""
-    procs = [subprocess.Popen(cli_cmd("launch", "--cpu", "--num_processes", 2, WORKER, json.dumps(
-                 [{**json.loads(JOB)[0], "out": str(out)}])), env=cli_env(home, **environ_of[machine]), cwd=REPO,
-             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for machine in (0, 1)]
-    try:
-        done = [(proc, *proc.communicate(timeout=400)) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, stdout, stderr in done:
-        assert proc.returncode == 0, explain(proc, stdout, stderr)
+def _two_machines(home: Path, out: Path, environ_of: dict[int, dict[str, str]], launcher: bool = True) -> dict:
+    """Two `shardtrain launch` processes (one per "machine", one rank each), or two plain `python` processes,
+    that know only the environment."""
+    job = json.dumps([{**json.loads(JOB)[0], "out": str(out)}])
+    command = cli_cmd("launch", "--cpu", "--num_processes", 2, WORKER, job) if launcher else \
+        [sys.executable, str(WORKER), job]
+    run_together([(command, cli_env(home, **environ_of[m])) for m in (0, 1)])
     return read_json(out / "result.json")
 
 
@@ -151,16 +147,33 @@ def single_machine(tmp_path_factory) -> dict:
     return read_json(out / "result.json")
 
 
-@pytest.mark.parametrize("scheduler", ["slurm", "pytorchjob"])
+def test_srun_with_a_task_per_device_gives_torchrun_variables():
+    step = {"SLURM_JOB_ID": "123456", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+            "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[03-04]"}
+    assert srun_worker_environment(step) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                             "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu03", "MASTER_PORT": "13456"}
+    assert srun_worker_environment({**step, "SLURM_STEP_TASKS_PER_NODE": "3,2(x2)", "SLURM_NODEID": "2"})[
+        "LOCAL_WORLD_SIZE"] == "2"
+    assert srun_worker_environment({**step, "RANK": "0"}) is None  # torchrun's own variables win
+    assert srun_worker_environment({**step, "SLURM_STEP_NUM_TASKS": "1"}) is None  # one task: nothing to join
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "pytorchjob", "srun_python"])
 def test_two_machines_from_the_scheduler_train_as_one_machine_does(home, tmp_path, single_machine, scheduler):
     port = str(find_free_port())
     if scheduler == "slurm":  # a bracketed list whose first host is this machine (the loopback name)
         environ_of = {m: {"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", "SLURM_NODEID": str(m), "MASTER_PORT": port,
                           "SLURM_JOB_NODELIST": "localhost,node[02]"} for m in (0, 1)}
-    else:
+    elif scheduler == "pytorchjob":
         environ_of = {m: {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(m)}
                       for m in (0, 1)}
-    result = _two_machines(home, tmp_path / "out", environ_of)
+    else:  # `srun --ntasks-per-node=2 python train.py`: no launcher, one task per device
+        environ_of = {m: {"SLURM_JOB_ID": "1", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": str(m),
+                          "SLURM_LOCALID": str(m), "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                          "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
+                          "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port,
+                          "SHARDTRAIN_CPU": "1"} for m in (0, 1)}
+    result = _two_machines(home, tmp_path / "out", environ_of, launcher=scheduler != "srun_python")
     assert result["layout"] == single_machine["layout"]
     assert len(result["losses"]) == 3
     assert result["losses"] == pytest.approx(single_machine["losses"], abs=1e-6)

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SCRIPTS, cli_cmd, cli_env, explain, run_cli
+from conftest import SCRIPTS, cli_cmd, cli_env, explain, run_cli, run_together
 
 from shardtrain.cli.main import main
 from shardtrain.config.fsdp_config import FSDPConfig
@@ -184,42 +183,9 @@ def test_flags_override_the_config_file(home, tmp_path) -> None:
 def test_two_machines_on_loopback_train_together(home, tmp_path) -> None:
     assert main(["config", "--default"]) == 0
     out, port = tmp_path / "out", find_free_port()
-    procs = [
-        subprocess.Popen(
-            cli_cmd(
-                "launch",
-                "--num_machines",
-                2,
-                "--machine_rank",
-                rank,
-                "--num_processes",
-                2,
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                port,
-                "--cpu",
-                SCRIPTS / "train_fsdp.py",
-                out,
-            ),
-            env=cli_env(home),
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            results.append((proc, *proc.communicate(timeout=300)))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, stdout, stderr in results:
-        assert proc.returncode == 0, explain(proc, stdout, stderr)
+    run_together([(cli_cmd("launch", "--num_machines", 2, "--machine_rank", rank, "--num_processes", 2,
+                           "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--cpu",
+                           SCRIPTS / "train_fsdp.py", out), cli_env(home)) for rank in (0, 1)], timeout=300)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert {r["world_size"] for r in reports} == {2}
     assert sorted(r["node_rank"] for r in reports) == [0, 1]  # one rank per machine

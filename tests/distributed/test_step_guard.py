@@ -1,12 +1,14 @@
 """The step guard on 2 ranks x accumulation 2: a step whose loss turns NaN (or spikes) is skipped on both ranks,
 logged and recorded, and the run ends with the weights of a run on the same data without that batch's samples;
 killed and resumed from before the skip, it does not feed those samples again; too many skips in a row stop the
-run with one error line and the last checkpoint intact. Also under cp 2, tp 2, packing and a streamed dataset.
+run with one error line and the last checkpoint intact. Also under cp 2, tp 2, ep 2 (a mixture of experts),
+packing and a streamed dataset.
 
     /work/main/.venv/bin/python -m pytest tests/distributed/test_step_guard.py -q
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ def runs(tmp_path_factory) -> Path:
             "spike_reference": {"remove": BATCH_5, "max_steps": 7},
             "cp": {"poison": [27], "step_guard": GUARD, "cp": True}, "cp_reference": {"remove": BATCH_3, "cp": True},
             "tp": {"poison": [27], "step_guard": GUARD, "tp": True}, "tp_reference": {"remove": BATCH_3, "tp": True},
+            "ep": {"poison": [27], "step_guard": GUARD, "ep": True}, "ep_reference": {"remove": BATCH_3, "ep": True},
             "pack": {"poison": [27], "step_guard": GUARD, "pack": True},
             "pack_reference": {"remove": BATCH_3, "pack": True},
             "stream": {"poison": [27], "step_guard": GUARD, "stream": True},
@@ -56,6 +59,7 @@ def _weights_difference(root: Path, a: str, b: str) -> float:
     ("spike", "spike_reference", BATCH_5, "over 5 x the median"),
     ("cp", "cp_reference", BATCH_3, "the loss is nan"),
     ("tp", "tp_reference", BATCH_3, "the loss is nan"),
+    ("ep", "ep_reference", BATCH_3, "the loss is nan"),
     ("pack", "pack_reference", BATCH_3, "the loss is nan"),
     ("stream", "stream_reference", None, "the loss is nan"),
 ])
@@ -78,6 +82,17 @@ def test_a_resume_from_before_the_skip_does_not_feed_the_batch_again(runs):
     assert result["poison_seen"] == 0  # the recorded batch was passed over, never fed to the model
     assert result["skipped_steps"] == 1 and result["global_step"] == 5
     assert _weights_difference(runs, "resumed", "nan") == 0.0  # as if never interrupted
+
+
+def test_a_resume_on_another_world_size_does_not_feed_the_batch_either(runs, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(runs / "resumed", out)  # its record file, and checkpoint-2 written on 2 ranks before the skip
+    shutil.rmtree(out / "checkpoint-4")
+    job = {"out": str(out), "poison": [27], "step_guard": GUARD, "save_steps": 2, "resume": str(out / "checkpoint-2")}
+    torchrun(WORKER, 1, json.dumps([job]))
+    result = read_json(out / "result.json")
+    assert result["poison_seen"] == 0 and result["skipped_steps"] == 1 and result["global_step"] == 5
+    assert _weights_difference(runs, "nan", str(out)) <= 1e-6  # 1 rank x 4 per device: the same global batch
 
 
 def test_too_many_skips_in_a_row_stop_with_one_line_and_the_checkpoint_intact(tmp_path):

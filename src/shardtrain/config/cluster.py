@@ -15,6 +15,7 @@ Kubeflow PyTorchJob / TorchElastic (one launcher per pod):
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -248,3 +249,47 @@ def apply_cluster(config: LaunchConfig, cluster: ClusterEnv, *, flags: set[str],
         resolved["num_processes"] = [config.num_processes, f"{config.num_machines} machines x {per_machine} "
                                                            f"({source})"]
     return resolved, warnings
+
+
+def _tasks_on_node(spec: str, node: int) -> int | None:
+    """SLURM_STEP_TASKS_PER_NODE ('2(x3),1': 2 tasks on each of 3 nodes, then 1) at node index `node`."""
+    counts: list[int] = []
+    for part in _split_top_level(spec):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[node] if 0 <= node < len(counts) else None
+
+
+def srun_worker_environment(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """torchrun's variables for a script that `srun` started once per device (`srun --ntasks-per-node=G python
+    train.py`), read from the step's Slurm variables; None outside such a step or when torchrun's are set.
+
+    The rendezvous is the step's first host; its port MASTER_PORT, else 10000 + SLURM_JOB_ID mod 20000 (every
+    task of the job computes the same).
+    """
+    if "RANK" in environ or "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+        return None
+    tasks = _int(environ, "SLURM_STEP_NUM_TASKS", 1)
+    if tasks < 2:
+        return None
+    list_name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if n in environ),
+                     None)
+    if list_name is None:
+        raise LaunchConfigError("an srun step without SLURM_STEP_NODELIST / SLURM_JOB_NODELIST; set MASTER_ADDR, or "
+                                "start the script with `srun --ntasks-per-node=1 shardtrain launch`")
+    local = _tasks_on_node(environ.get("SLURM_STEP_TASKS_PER_NODE", ""), _int(environ, "SLURM_NODEID")) \
+        if environ.get("SLURM_STEP_TASKS_PER_NODE") else None
+    port = environ.get("MASTER_PORT") or str(10000 + _int(environ, "SLURM_JOB_ID") % 20000)
+    return {"RANK": str(_int(environ, "SLURM_PROCID")), "WORLD_SIZE": str(tasks),
+            "LOCAL_RANK": str(_int(environ, "SLURM_LOCALID")), "LOCAL_WORLD_SIZE": str(local or 1),
+            "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(environ[list_name]), "MASTER_PORT": port}
+
+
+def adopt_srun_environment() -> None:
+    """Under `srun` with a task per device (no torchrun), set torchrun's variables from Slurm's (in this process's
+    environment, once), so the rest of the run reads one contract; outside such a step, nothing."""
+    adopted = srun_worker_environment(os.environ)
+    if adopted is not None:
+        os.environ.update(adopted)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from shardtrain.config import env
+from shardtrain.config.cluster import adopt_srun_environment
 from shardtrain.parallel.cpu_allocator import tune_cpu_allocator
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     _register_exit_handler()
     if dist.is_initialized():
         return
+    adopt_srun_environment()
     global _generation
     _generation += 1
     device = current_device()

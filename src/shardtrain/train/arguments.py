@@ -35,6 +35,7 @@ import transformers
 from transformers.trainer_pt_utils import AcceleratorConfig
 
 from shardtrain.config import env
+from shardtrain.config.cluster import adopt_srun_environment
 from shardtrain.config.fsdp_config import FSDPConfig, parse_fsdp_option
 from shardtrain.errors import (
     FSDPConfigError,
@@ -110,7 +111,7 @@ class TrainingArguments(transformers.TrainingArguments):
     loss_chunk_size: int | str | None = _help("tokens per chunk of LM head + cross entropy; 'auto'; None: off")
     pack_sequences: bool = field(default=False, metadata={"help": "pack each training micro-batch into one row "
                                                                   "(no padding; documents kept apart)"})
-    step_guard: bool | dict | str | None = _help("skip non-finite (opt-in: spiking) steps on every rank; true or "
+    step_guard: dict | str | None = _help("skip non-finite (opt-in: spiking) steps on every rank; true or "
                                                  "{spike_factor, window, max_in_a_row}")
     # as Hugging Face's Seq2SeqTrainingArguments
     predict_with_generate: bool = field(default=False, metadata={"help": "evaluate/predict generate answers"})
@@ -121,6 +122,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     def __post_init__(self) -> None:
         install_error_hook()  # a bad argument is one `error:` line, not a traceback
+        adopt_srun_environment()  # `srun python train.py` (a task per device): torchrun's variables from Slurm's
         if (wanted := verify.request()) is not None:  # under `shardtrain verify`: K steps, measured, nothing kept
             verify.apply_request(self, wanted)
         check_types(self)

@@ -6,20 +6,22 @@ and run one after the other.
     torchrun --nproc_per_node 2 step_guard.py '[{"out": "OUT", "poison": [27], "kind": "nan", "step_guard": true}]'
 
 Job keys: "out", "poison" (sample indices), "kind" (nan | spike), "remove" (sample indices left out of the
-dataset: the reference run), "cp" / "tp" (cp_size / tp_size 2: one data rank of 4 samples), "pack"
-(pack_sequences), "stream" (the samples as an IterableDataset), "step_guard", "max_steps", "save_steps",
-"stop_after" (a callback stops the run after that step), "resume" (a checkpoint path). Rank 0 writes
-OUT/result.json (losses, skips, how many micro-batches with a poisoned sample reached the model on all ranks) and
-OUT/weights.pt (the final weights, whole).
+dataset: the reference run), "cp" / "tp" (cp_size / tp_size 2: one data rank of 4 samples), "ep" (a tiny
+Qwen3-MoE, ep_size 2), "pack" (pack_sequences), "stream" (the samples as an IterableDataset), "step_guard",
+"max_steps", "save_steps", "stop_after" (a callback stops the run after that step), "resume" (a checkpoint path).
+The global batch is 8 samples on any number of ranks (accumulation 2). Rank 0 writes OUT/result.json (losses,
+skips, how many micro-batches with a poisoned sample reached the model on all ranks) and OUT/weights.pt (the final
+weights, whole).
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tiny_models import tiny_llama, variable_length_dataset
+from tiny_models import tiny_llama, tiny_qwen3_moe, variable_length_dataset
 from torch.utils.data import SequentialSampler
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
@@ -88,17 +90,19 @@ def run(job: dict) -> None:
     out = Path(job["out"])
     SEEN[0] = 0
     rows = dataset(job.get("poison", []), job.get("remove", []))
+    data_ranks = int(os.environ.get("WORLD_SIZE", "1"))
     layout = {"per_device_train_batch_size": 4, **({"cp_size": 2} if job.get("cp") else {"tp_size": 2})} \
-        if job.get("cp") or job.get("tp") else {"per_device_train_batch_size": 2}
+        if job.get("cp") or job.get("tp") else {"per_device_train_batch_size": 8 // (2 * data_ranks)}
     args = TrainingArguments(output_dir=str(out), gradient_accumulation_steps=2, **layout,
-                             pack_sequences=job.get("pack", False),
+                             pack_sequences=job.get("pack", False), ep_size=2 if job.get("ep") else None,
                              max_steps=job.get("max_steps", 5), learning_rate=1e-2, lr_scheduler_type="constant",
                              logging_steps=1, report_to="none", seed=0, fsdp=True,
                              save_strategy="steps" if job.get("save_steps") else "no",
                              save_steps=job.get("save_steps") or 500, step_guard=job.get("step_guard"))
     kind = job.get("kind", "nan")
     trainer_class = SpikeTrainer if kind == "spike" else SequentialTrainer
-    trainer = trainer_class(poison_embeddings(tiny_llama(), kind), args,
+    model = tiny_qwen3_moe() if job.get("ep") else tiny_llama()
+    trainer = trainer_class(poison_embeddings(model, kind), args,
                             train_dataset=Stream(rows) if job.get("stream") else rows,
                             callbacks=[StopAfter(job["stop_after"])] if job.get("stop_after") else None)
     trainer.train(resume_from_checkpoint=job.get("resume"))
