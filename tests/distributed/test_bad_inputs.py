@@ -55,16 +55,16 @@ Trainer(tiny_llama(), args, train_dataset=data).train()
 """
 
 # kind: (launch flags, the one error line's start); "wandb" runs without a key, a netrc or offline mode
-CASES = {"args": ((), "error: TrainingArguments.max_grad_norm must be a finite number"),
+LAUNCH_CASES = {"args": ((), "error: TrainingArguments.max_grad_norm must be a finite number"),
          "data": ((), "error: train_dataset[16] has token id 300"),
          "fsdp_off": (("--fsdp", "false"), "error: Trainer runs on 2 ranks but fsdp is off"),
          "reshard": ((), "error: fsdp_config key 'reshard_after_forward' is 3, which does not divide the 2 ranks"),
          "wandb": ((), "error: report_to includes 'wandb', but Weights & Biases has no API key here")}
 
 
-@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("kind", list(LAUNCH_CASES))
 def test_user_sees_one_line_and_exit_1(tmp_path, kind):
-    flags, expected = CASES[kind]
+    flags, expected = LAUNCH_CASES[kind]
     script, out = tmp_path / "train.py", tmp_path / "out"
     script.write_text(SCRIPT)
     out.mkdir()
