@@ -82,7 +82,9 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name, ep, efsdp):
 
 
 def test_fewer_local_experts_than_expert_fsdp_ranks(runs):
-    assert_same_training(runs, "ref_2experts", "ep2_2experts", tol=1e-5, weight_tol=1e-4)
+    # 1e-4: this layout's expert gradients are reduced in another order (FSDP shards the experts' dim 1); measured
+    # 4.3e-5 on the gradient norm of step 9 on one x86 CPU, under 1e-5 on another (the commit before this change too)
+    assert_same_training(runs, "ref_2experts", "ep2_2experts", tol=1e-4, weight_tol=1e-4)
     got = run_result(runs, "ep1_2experts_resumed")["losses"][5:]
     assert got == pytest.approx(run_result(runs, "ep2_2experts")["losses"][5:], abs=1e-6, rel=0)
     _assert_loads_as(runs / "ep2_2experts_model", runs / "ep2_2experts" / "weights.pt")
