@@ -60,7 +60,8 @@ def shardtrain_launch(script: str | Path, nproc: int, *args: str, flags: tuple[s
     """`shardtrain launch --cpu --num_processes N FLAGS script ARGS` as a user runs it (always real processes)."""
     cmd = [sys.executable, "-m", "shardtrain.cli.main", "launch", "--cpu", "--num_processes", str(nproc), *flags,
            str(script), *args]
-    return subprocess.run(cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          stdin=subprocess.DEVNULL)  # not a terminal, whatever runs the tests (trackers would ask)
 
 
 def error_lines(stderr: str) -> list[str]:
