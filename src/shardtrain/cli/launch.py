@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from shardtrain.cli.config_cmd import check_parallel_sizes
@@ -287,7 +288,7 @@ def _read_cluster(config: LaunchConfig, args: argparse.Namespace, file_config: L
         return None
     flags = {name for name in _VALUE_FLAGS if getattr(args, name) is not None}
     resolved, notes = apply_cluster(config, cluster, flags=flags, file_config=file_config,
-                                    local_devices=_local_devices(config.use_cpu))
+                                    local_devices=partial(_local_devices, config.use_cpu))
     warnings += notes
     return {"scheduler": cluster.scheduler, "settings": resolved}
 

@@ -19,13 +19,11 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from shardtrain.config.launch_config import LaunchConfig
 from shardtrain.errors import LaunchConfigError
-
-SCHEDULERS = ("slurm", "pytorchjob")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,14 +208,14 @@ _TAKEN = (("num_machines", "num_machines"), ("machine_rank", "machine_rank"), ("
 
 
 def apply_cluster(config: LaunchConfig, cluster: ClusterEnv, *, flags: set[str], file_config: LaunchConfig | None,
-                  local_devices: int) -> tuple[dict[str, list], list[str]]:
+                  local_devices: Callable[[], int]) -> tuple[dict[str, list], list[str]]:
     """Fill `config` from the scheduler where no flag set the value; return {setting: [value, source]} and warnings.
 
     Order: a flag wins (with a warning when it contradicts the scheduler); a config file's value that differs
     from both the default and the scheduler's is an error naming both; otherwise the scheduler's value.
     `num_processes` (Accelerate's meaning: every process of the job) is the flag's, else a multi-machine file's
     when its machine count is the scheduler's, else machines x processes per machine (the scheduler's count,
-    else `local_devices`).
+    else `local_devices()`, asked only then).
 
     Raises:
         LaunchConfigError: the config file and the scheduler disagree.
@@ -243,7 +241,7 @@ def apply_cluster(config: LaunchConfig, cluster: ClusterEnv, *, flags: set[str],
     elif file_config is not None and file_config.num_machines == config.num_machines > 1:
         resolved["num_processes"] = [config.num_processes, "config file"]
     else:
-        per_machine = cluster.procs_per_machine or local_devices
+        per_machine = cluster.procs_per_machine or local_devices()
         source = cluster.sources.get("procs_per_machine", "devices visible here")
         config.num_processes = per_machine * config.num_machines
         resolved["num_processes"] = [config.num_processes, f"{config.num_machines} machines x {per_machine} "
