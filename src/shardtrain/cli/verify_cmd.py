@@ -30,6 +30,7 @@ from pathlib import Path
 
 from shardtrain.config import env as env_names
 from shardtrain.errors import LaunchConfigError
+from shardtrain.train.verify import DUMP_FILE, WEIGHTS_FILE
 
 _AXES = {"dp": None, "cp": "cp_size", "tp": "tp_size", "ep": "ep_size"}
 
@@ -86,7 +87,7 @@ def _launch(script: str, script_args: list[str], layout: VerifyLayout, request: 
     environ = {**os.environ, env_names.VERIFY: json.dumps(request)}
     done = subprocess.run([sys.executable, "-m", "shardtrain.cli.main", "launch", *flags, script, *script_args],
                           env=environ, capture_output=True, text=True, check=False)
-    dump = Path(request["dump"]) / "verify.json"
+    dump = Path(request["dump"]) / DUMP_FILE
     if done.returncode != 0 or not dump.is_file():
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
         raise LaunchConfigError(f"the run on {layout.label} failed (exit {done.returncode}) before writing its "
@@ -96,7 +97,7 @@ def _launch(script: str, script_args: list[str], layout: VerifyLayout, request: 
 def _read(directory: Path) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
-    return json.loads((directory / "verify.json").read_text()), load_file(str(directory / "weights.safetensors"))
+    return json.loads((directory / DUMP_FILE).read_text()), load_file(str(directory / WEIGHTS_FILE))
 
 
 def compare(reference: tuple[dict, dict], run: tuple[dict, dict], tolerance: float) -> dict:
