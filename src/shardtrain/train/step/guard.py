@@ -77,7 +77,7 @@ class StepGuard:
     """The guard of one run: the recent kept losses, the skips in a row, and the record of skipped batches."""
 
     config: StepGuardConfig
-    history: deque = field(default_factory=deque)
+    history: deque  # the last `config.window` kept losses (a deque with that maxlen)
     in_a_row: int = 0
 
     def judge(self, loss: float, grad_norm: float) -> str | None:
@@ -95,11 +95,10 @@ class StepGuard:
         return None
 
     def kept(self, loss: float) -> None:
-        """A step that was applied: its loss joins the window; the run of skips ends."""
+        """A step that was applied: its loss joins the window (`history` keeps the last `window`); the run of skips
+        ends."""
         self.in_a_row = 0
         self.history.append(loss)
-        while len(self.history) > self.config.window:
-            self.history.popleft()
 
     def skipped(self, step: int, reason: str, last_checkpoint: str | None) -> None:
         """Count a skip.
@@ -143,8 +142,8 @@ class GuardedRun:
         if config is None:
             return None
         record_file = Path(output_dir) / SKIP_RECORD_FILE
-        run = cls(guard=StepGuard(config=config, history=deque(state.guard_window)), record_file=record_file,
-                  rank=rank)
+        history = deque(state.guard_window, maxlen=config.window)
+        run = cls(guard=StepGuard(config=config, history=history), record_file=record_file, rank=rank)
         entries = list(state.skipped_batches)
         if resuming and record_file.is_file():
             entries += json.loads(record_file.read_text())

@@ -134,12 +134,16 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     return groups
 
 
+def current_learning_rate(optimizer: torch.optim.Optimizer, scheduler: Any) -> float:
+    """The rate the next optimizer step uses: the scheduler's (the optimizer's own when it steps on a metric)."""
+    return optimizer.param_groups[0]["lr"] if steps_on_metric(scheduler) else scheduler.get_last_lr()[0]
+
+
 def discard_step(optimizer: torch.optim.Optimizer, scheduler: Any, backend: Any) -> float:
     """A step the guard skipped: its gradients dropped, no optimizer or scheduler step; the learning rate it had."""
     optimizer.zero_grad(set_to_none=True)
     backend.step_end()
-    return optimizer.param_groups[0]["lr"] if scheduler is None or steps_on_metric(scheduler) else \
-        scheduler.get_last_lr()[0]
+    return current_learning_rate(optimizer, scheduler)
 
 
 def step_optimizer_and_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any, backend: Any,
@@ -150,10 +154,8 @@ def step_optimizer_and_scheduler(optimizer: torch.optim.Optimizer, scheduler: An
     fire("on_pre_optimizer_step")
     backend.optimizer_step(optimizer)
     fire("on_optimizer_step")
-    if steps_on_metric(scheduler):
-        learning_rate = optimizer.param_groups[0]["lr"]
-    else:
-        learning_rate = scheduler.get_last_lr()[0]
+    learning_rate = current_learning_rate(optimizer, scheduler)
+    if not steps_on_metric(scheduler):
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     backend.step_end()
