@@ -110,9 +110,39 @@ def test_a_samplers_order_is_each_epochs_order_on_every_rank():
 
 
 def test_rank_shares_of_an_evaluation_set():
-    from shardtrain.train.eval.loop import rank_share
+    from shardtrain.train.eval.loaders import rank_share
 
     shares = [rank_share(74, dp_rank=r, dp_size=2, batch_size=16) for r in (0, 1)]
     assert shares[0] + shares[1] == list(range(74))
     dropped = [rank_share(74, dp_rank=r, dp_size=2, batch_size=16, drop_last=True) for r in (0, 1)]
     assert dropped[0] + dropped[1] == list(range(64))  # whole global batches of 32 only
+
+
+def _share_loaders(dataset, dp_size, batch_size=3):
+    from shardtrain.train.data.batch_plan import PaddingCollator
+    from shardtrain.train.eval.loaders import ShareLoader
+
+    return [ShareLoader(dataset, PaddingCollator(pad_token_id=0), batch_size=batch_size, dp_rank=r, dp_size=dp_size,
+                        seed=7) for r in range(dp_size)]
+
+
+def test_an_evaluation_loader_holds_its_ranks_share_in_as_many_batches_as_every_rank():
+    rows = [{"input_ids": [i + 1, i + 2], "labels": [i + 1, i + 2]} for i in range(11)]
+    loaders = _share_loaders(rows, 2)  # rank 0: rows 0-5, rank 1: rows 6-10 and a placeholder
+    assert [len(loader) for loader in loaders] == [2, 2] and loaders[0].samples == 11
+    positions = [[p for p, _ in loader.indexed()] for loader in loaders]
+    assert positions == [[[0, 1, 2], [3, 4, 5]], [[6, 7, 8], [9, 10, -1]]]
+    last = list(loaders[1])[-1]  # iterated as any loader: the same batches indexed() gives
+    assert last["input_ids"][:2].tolist() == [[10, 11], [11, 12]]
+    assert last["labels"][2].tolist() == [-100, -100]  # the placeholder row counts for nothing
+
+
+def test_an_evaluation_stream_is_strided_over_ranks_and_padded_only_when_asked():
+    from datasets import Dataset
+
+    stream = Dataset.from_list([{"input_ids": [i + 1], "labels": [i + 1]} for i in range(5)]).to_iterable_dataset()
+    loaders = _share_loaders(stream, 2, batch_size=2)
+    assert [[p for p, _ in loader.indexed()] for loader in loaders] == [[[0, 2], [4, -1]], [[1, 3]]]
+    assert [b["input_ids"].tolist() for b in loaders[1]] == [[[2], [4]]]
+    padded = loaders[1].indexed(pad=True)
+    assert [next(padded)[0] for _ in range(3)] == [[1, 3], [-1, -1], [-1, -1]]  # until every rank is done

@@ -17,7 +17,7 @@ def test_logging_nan_inf_filter_follows_transformers_accumulation():
 def test_loss_window_reduces_the_sums_once_per_entry_and_averages_steps_for_train_loss():
     reduced = []
 
-    def all_reduce(sums: torch.Tensor) -> None:  # a second rank with the same local sums
+    def all_reduce(sums: torch.Tensor, group: object = None) -> None:  # a second rank with the same local sums
         reduced.append(sums.clone())
         sums.mul_(2)
 
@@ -35,11 +35,11 @@ def test_loss_window_reduces_the_sums_once_per_entry_and_averages_steps_for_trai
 
 
 def test_loss_window_filters_non_finite_steps_when_asked():
-    window = LossWindow(lambda sums: None, nan_inf_filter=True)
+    window = LossWindow(lambda sums, group: None, nan_inf_filter=True)
     for value in (2.0, float("nan")):
         window.add(torch.tensor(value), 1)
     assert window.fold() == [2.0, 1.0]
-    unfiltered = LossWindow(lambda sums: None, nan_inf_filter=False)
+    unfiltered = LossWindow(lambda sums, group: None, nan_inf_filter=False)
     unfiltered.add(torch.tensor(float("inf")), 1)
     assert unfiltered.fold() == [float("inf")]
 

@@ -13,6 +13,7 @@ unless its frozen weights hash to the checkpoint's `base_model.json`), adds the 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ def load_sharded_model(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     if not model:
         raise CheckpointError(f"{path} holds no model tensors")
     try:
-        dcp_load({"model": model}, path, no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... load in a single process": we are
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load({"model": model}, path, no_dist=True)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:

@@ -17,6 +17,8 @@ Exit codes: 0 ok, 1 the launched script failed, 2 a usage/config error (message 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 from shardtrain.cli.config_cmd import add_config_parser
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\naborted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `shardtrain plan ... | head`: the reader has gone; end as a command killed by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's own flush would fail again)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ from collections.abc import Callable
 
 import torch
 
+from shardtrain.parallel.runtime import Runtime
+
 
 class PrunedElsewhere(Exception):
     """Rank 0's study pruned the current trial; a rank other than 0 leaves `train()` (which returns)."""
 
 
-def report_agreed(report: Callable[[], None], *, rank: int, broadcast: Callable[[torch.Tensor], None],
-                  device: torch.device, on_pruned: Callable[[], None]) -> None:
+def report_agreed(report: Callable[[], None], *, runtime: Runtime, on_pruned: Callable[[], None]) -> None:
     """Run Hugging Face's `_report_to_hp_search` (`report`) on every rank and agree on rank 0's pruning.
 
     Raises:
@@ -29,11 +30,11 @@ def report_agreed(report: Callable[[], None], *, rank: int, broadcast: Callable[
         report()
     except optuna.TrialPruned as err:
         pruned = err
-    flag = torch.tensor([float(pruned is not None)], device=device)
-    broadcast(flag)
+    flag = torch.tensor([float(pruned is not None)], device=runtime.device)
+    runtime.backend.broadcast(flag, src=0)
     if flag.item() == 0:
         return
-    if rank == 0:
+    if runtime.rank == 0:
         raise pruned if pruned is not None else optuna.TrialPruned()
     on_pruned()
     raise PrunedElsewhere()

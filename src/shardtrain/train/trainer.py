@@ -21,6 +21,7 @@ this file longer than the others.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import random
@@ -90,7 +91,8 @@ from shardtrain.train.data.training_data import TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
 from shardtrain.train.data.validation import ModelLimits, agree, writable_problem
 from shardtrain.train.eval.generation import eval_generator
-from shardtrain.train.eval.loop import EvalLoop, eval_loader, loader_source
+from shardtrain.train.eval.loaders import ShareLoader
+from shardtrain.train.eval.loop import EvalLoop
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
 from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_trackers
 from shardtrain.train.model.export import ModelExport, write_model_card
@@ -383,8 +385,7 @@ class Trainer(transformers.Trainer):
         resume = resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                 else args.resume_from_checkpoint, output_dir=args.output_dir,
                                 restart_count=self.spec.restart_count, fsdp_enabled=args.fsdp_enabled,
-                                rank=self.rank, broadcast=lambda t: self.backend.broadcast(t, src=0),
-                                device=self.device)
+                                runtime=self.runtime)
         configured = args.per_device_train_batch_size  # (a trial of hyperparameter_search may have changed it)
         if not args.auto_find_batch_size or configured % self._train_batch_size:
             self._train_batch_size = configured
@@ -421,7 +422,7 @@ class Trainer(transformers.Trainer):
                                           preemption=self.preemption,
                                           guard=self._guarded.guard if self._guarded is not None else None)
         start_step, start_time = self.state.global_step, time.time()
-        window = LossWindow(lambda t: self.backend.all_reduce(t, group=self.meshes.loss.get_group()),
+        window = LossWindow(self.backend.all_reduce, group=self.meshes.loss.get_group(),
                             nan_inf_filter=args.logging_nan_inf_filter)
         self.model.train()
         self.control.should_training_stop = False
@@ -929,40 +930,35 @@ class Trainer(transformers.Trainer):
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Hugging Face's override point: evaluate `dataloader` on every rank (`EvalLoop`).
 
-        A loader from shardtrain's `get_eval_dataloader` / `get_test_dataloader` stands for its dataset, which is
-        evaluated exactly (token sums over every rank, predictions gathered in dataset order); any other loader's
-        batches (an override's) are this rank's, gathered in rank order.
+        The `ShareLoader` of shardtrain's `get_eval_dataloader` / `get_test_dataloader` holds this rank's share of
+        the dataset, evaluated exactly (token sums over every rank, predictions gathered in dataset order); any
+        other loader's batches (an override's) are this rank's, gathered in rank order.
         """
         args = self.args
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
-        source = loader_source(dataloader)
-        foreign = isinstance(source, DataLoader)  # not shardtrain's: its batches are this rank's
-        if foreign and (self.dims.cp > 1 or self.dims.tp > 1):
+        if not isinstance(dataloader, ShareLoader) and (self.dims.cp > 1 or self.dims.tp > 1):
             raise TrainingArgumentsError(
                 "an overridden get_eval_dataloader/get_test_dataloader returned its own DataLoader while cp_size or "
                 "tp_size > 1, whose ranks must evaluate the same samples; return super().get_eval_dataloader(...) "
                 "(shardtrain's split of the dataset), or evaluate with cp_size and tp_size 1")
-        if not (foreign or is_stream(source)):
-            self._check_eval_dataset(source, f"{metric_key_prefix}_dataset")
         # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
         user_step = self._user_prediction_step(ignore_keys)
         generate = None
         if args.predict_with_generate and user_step is None:
             generate = eval_generator(self.model, causal_lm=self.loss_computer.shift_labels,
                                       max_length=args.generation_max_length, num_beams=args.generation_num_beams)
-        loop = EvalLoop(self.runtime, self.model, self.loss_computer, self._eval_collator(),
-                        args.per_device_eval_batch_size, preprocess=self.preprocess_logits_for_metrics,
-                        seed=args.seed, on_step=self._prediction_batch_done,
-                        prepare=lambda batch: self._model_inputs(batch, add_labels=False), generate=generate,
+        loop = EvalLoop(self.runtime, self.model, self.loss_computer, args.per_device_eval_batch_size,
+                        preprocess=self.preprocess_logits_for_metrics, on_step=self._prediction_batch_done,
+                        prepare=functools.partial(self._model_inputs, add_labels=False), generate=generate,
                         prediction_step=user_step, batch_metrics=args.batch_eval_metrics,
                         keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
                         inputs_key=getattr(self.model, "main_input_name", "input_ids")
                         if "inputs" in (args.include_for_metrics or []) else None,
                         label_names=tuple(self.label_names), drop_last=args.dataloader_drop_last)
-        output, samples = loop.evaluate(source, metric_key_prefix, self.compute_metrics, not loss_only)
+        output, samples = loop.evaluate(dataloader, metric_key_prefix, self.compute_metrics, not loss_only)
         if self.state.epoch is not None and metric_key_prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
-        if source is dataloader:  # another loader's batches: the rows it gave (counted where predictions are kept)
+        if not isinstance(dataloader, ShareLoader):  # the rows another loader gave (counted where predictions are kept)
             samples = len(output.predictions) if output.predictions is not None else 0
         return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
                               num_samples=samples)
@@ -1031,9 +1027,9 @@ class Trainer(transformers.Trainer):
             if sampler is not None:
                 indices = [int(i) for i in sampler]
                 dataset = dataset.select(indices) if hasattr(dataset, "select") else Subset(dataset, indices)
-        return eval_loader(dataset, self._eval_collator(), batch_size=self.args.per_device_eval_batch_size,
-                           dp_rank=self.dp_rank, dp_size=self.dims.batch_size, seed=self.args.seed,
-                           drop_last=self.args.dataloader_drop_last)
+        batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
+        return ShareLoader(dataset, self._eval_collator(), batch_size=batch_size, dp_rank=self.dp_rank,
+                           dp_size=self.dims.batch_size, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,
@@ -1113,7 +1109,7 @@ class Trainer(transformers.Trainer):
         shards or moves the model: shardtrain's backend does that. Built on first use."""
         if self.__dict__.get("_accelerator") is None:
             self.__dict__["_accelerator"] = engine_accelerator(
-                self.backend, self.args, standing_in=lambda: self.loss_computer.placeholder)
+                self.backend, self.args, standing_in=self.loss_computer.standing_in)
         return self.__dict__["_accelerator"]
 
     @accelerator.setter
@@ -1133,8 +1129,7 @@ class Trainer(transformers.Trainer):
 
         if self.world_size == 1 or trial is None or self.hp_search_backend != "optuna":
             return report()
-        report_agreed(report, rank=self.rank, broadcast=lambda t: self.backend.broadcast(t, src=0),
-                      device=self.device, on_pruned=lambda: self._fire("on_train_end"))
+        report_agreed(report, runtime=self.runtime, on_pruned=functools.partial(self._fire, "on_train_end"))
 
     def _set_signature_columns_if_needed(self) -> None:
         """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward

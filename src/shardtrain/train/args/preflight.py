@@ -4,7 +4,6 @@ raises the same error, before anything changes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,32 +13,33 @@ import torch
 from shardtrain.checkpoint.layout import PREFIX, SHARDED_DIR
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
+from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.args.trackers import tracker_problem
 from shardtrain.train.data.validation import ModelLimits, validate_dataset
 
 
 def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart_count: int, fsdp_enabled: bool,
-                   rank: int, broadcast: Callable[[torch.Tensor], None], device: torch.device) -> Path | None:
+                   runtime: Runtime) -> Path | None:
     """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
 
     None under a torchrun restart (`restart_count` > 0) means "auto", so `--max_restarts` continues from the
     newest checkpoint without any logic in the script. Rank 0 chooses (skipping damaged checkpoints with a
-    warning) and `broadcast`s its choice, so every rank loads the same one.
+    warning) and broadcasts its choice over `runtime`'s ranks, so every rank loads the same one.
     """
     if resume is None and restart_count > 0:
         resume = "auto"
     if resume in (None, False):
         return None
     if resume is True or resume == "auto":
-        chosen, warnings = CheckpointManager.resumable(output_dir) if rank == 0 else (None, [])
+        chosen, warnings = CheckpointManager.resumable(output_dir) if runtime.rank == 0 else (None, [])
         step = torch.tensor([int(chosen.name[len(PREFIX):]) if chosen else -1], dtype=torch.int64,
-                            device=device)  # (broadcasting a copy would leave the other ranks at -1)
-        broadcast(step)
+                            device=runtime.device)  # (broadcasting a copy would leave the other ranks at -1)
+        runtime.backend.broadcast(step, src=0)
         for line in warnings:
             print(f"warning: {line}", flush=True)
         if int(step.item()) >= 0:
             path = Path(output_dir) / f"{PREFIX}{int(step.item())}"
-            if rank == 0:
+            if runtime.rank == 0:
                 print(f"Resuming from {path}", flush=True)
             return path
         if resume == "auto":

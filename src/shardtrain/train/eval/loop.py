@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,7 +10,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Sampler
 from transformers import EvalPrediction
 from transformers.trainer_utils import PredictionOutput, speed_metrics
 
@@ -21,16 +18,8 @@ from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
-from shardtrain.train.data.batch_plan import (
-    CollatingDataset,
-    PlaceholderDataset,
-    SeededIndices,
-    derive_seed,
-    isolated_rng,
-    passthrough,
-)
-from shardtrain.train.data.streaming import is_stream
 from shardtrain.train.data.validation import over_data_ranks, per_rank
+from shardtrain.train.eval.loaders import ShareLoader
 from shardtrain.train.step.loss import LossComputer, batch_rows
 
 
@@ -78,25 +67,25 @@ def _rows(indices: list[int], batch: dict, values: torch.Tensor) -> list[np.ndar
 
 
 class EvalLoop:
-    """Data-parallel rank r evaluates the r-th contiguous block of the dataset; short blocks get ignored
-    placeholders so every rank runs the same number of forward passes (FSDP's collectives need that).
+    """Evaluates the loader it is given; a `ShareLoader` (data-parallel rank r's block of the dataset, as many
+    batches on every rank) gives the exact token-weighted loss and predictions in dataset order.
 
     Under context parallelism the ranks of a cp group evaluate the same block, each its part of every sequence;
     losses add up over the `loss` mesh, and logits are gathered back to full length before predictions are
     collected (by one rank of each group of ranks that share their samples: cp and tp).
     """
 
-    def __init__(self, runtime: Runtime, model: nn.Module, loss: LossComputer, collator: Callable,
-                 per_device_batch_size: int, *, preprocess: Callable | None = None, seed: int = 0,
+    def __init__(self, runtime: Runtime, model: nn.Module, loss: LossComputer, per_device_batch_size: int, *,
+                 preprocess: Callable | None = None,
                  on_step: Callable[[int], None] | None = None, prepare: Callable[[dict], dict] | None = None,
                  generate: Callable[[dict], tuple[list, list]] | None = None,
                  prediction_step: Callable[[dict, bool], tuple] | None = None, batch_metrics: bool = False,
                  keep_predictions: bool = True, inputs_key: str | None = None,
                  label_names: tuple[str, ...] = ("labels",), drop_last: bool = False) -> None:
-        self.model, self.loss, self.collator = model, loss, collator
+        self.model, self.loss = model, loss
         self.batch_size = per_device_batch_size * runtime.backend.devices_per_process
         self.dp_rank, self.dp_size, self.device = runtime.dp_rank, runtime.dims.batch_size, runtime.device
-        self.preprocess, self.seed, self.on_step = preprocess, seed, on_step  # on_step: on_prediction_step
+        self.preprocess, self.on_step = preprocess, on_step  # on_step: on_prediction_step
         self.cp, self.prepare = runtime.cp, prepare  # prepare: the Trainer's collated batch -> model inputs
         self.loss_group = runtime.meshes.loss.get_group()  # where (loss sum, token count) add up
         self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
@@ -114,84 +103,51 @@ class EvalLoop:
         self.drop_last = drop_last  # dataloader_drop_last: the samples of whole global batches only
         self.rows = 0  # real rows this rank evaluated
 
-    def evaluate(self, source: Any, prefix: str, compute_metrics: Callable | None,
+    def evaluate(self, loader: Any, prefix: str, compute_metrics: Callable | None,
                  with_predictions: bool) -> tuple[PredictionOutput, int]:
-        """Evaluate `source`: a map-style dataset (`run`), a stream (`run_stream`) or a loader that is not
-        shardtrain's (`run_loader`), with Hugging Face's speed metrics under `prefix`.
+        """Evaluate the batches of `loader`, with Hugging Face's speed metrics under `prefix`: a `ShareLoader`'s
+        (this rank's share of a dataset or a stream, predictions put back in dataset order), or any other
+        loader's (an overridden `get_eval_dataloader`'s: this rank's batches, gathered in rank order).
 
         Returns:
             the output and the number of samples evaluated (over every data-parallel rank).
         """
         start, global_batch = time.time(), self.batch_size * self.dp_size
-        if isinstance(source, DataLoader):
-            output = self.run_loader(source, prefix, compute_metrics, with_predictions)
-            samples, steps = len(source) * global_batch, len(source)
-        elif is_stream(source):
-            output = self.run_stream(source, prefix, compute_metrics, with_predictions)
+        if not isinstance(loader, ShareLoader):
+            batches, steps = self._foreign(loader)
+        elif loader.stream:
+            if self.batch_metrics:
+                raise DataError("batch_eval_metrics with a stream as the evaluation dataset: its last batch is "
+                                "known only after it; evaluate a map-style dataset, or set batch_eval_metrics=False")
+            batches, steps = self._until_every_rank_is_done(loader.indexed(pad=True)), None
+        else:
+            batches, steps = loader.indexed(), len(loader)
+        output = self._evaluate(batches, steps, prefix, compute_metrics, with_predictions)
+        if not isinstance(loader, ShareLoader):
+            samples = len(loader) * global_batch
+        elif loader.stream:
             samples = over_data_ranks(self.rows, self.backend.all_reduce, self.device, self.dp_size,
                                       self.backend.world_size)
-            steps = -(-samples // global_batch)
         else:
-            output = self.run(source, prefix, compute_metrics, with_predictions)
-            samples, steps = len(source), -(-len(source) // global_batch)
+            samples = loader.samples
+        steps = steps if not isinstance(loader, ShareLoader) else -(-samples // global_batch)
         output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=steps))
         return output, samples
 
-    def run(self, dataset: Any, prefix: str, compute_metrics: Callable | None,
-            with_predictions: bool) -> PredictionOutput:
-        """Evaluate `dataset`: this rank's contiguous block, in batches of `batch_size`, in dataset order."""
-        mine = rank_share(len(dataset), dp_rank=self.dp_rank, dp_size=self.dp_size, batch_size=self.batch_size,
-                          drop_last=self.drop_last)
-        per_rank = -(-len(dataset) // self.dp_size) if not self.drop_last else len(mine)
-        steps = max(1, math.ceil(per_rank / self.batch_size))
-        mine += [-1] * (steps * self.batch_size - len(mine))
-        data = CollatingDataset(dataset, self.collator)
+    def _until_every_rank_is_done(self, batches: Iterator[tuple[list[int], dict]]
+                                  ) -> Iterator[tuple[list[int], dict]]:
+        """A stream's batches until no rank has a real row left (a rank that ran out first evaluates placeholder
+        batches meanwhile, so every rank runs the same forward passes)."""
+        for indices, batch in batches:
+            count = torch.tensor([float(sum(i >= 0 for i in indices))], dtype=torch.float64, device=self.device)
+            self.backend.all_reduce(count)
+            if count.item() == 0:
+                return
+            yield indices, batch
 
-        def batches() -> Iterator[tuple[list[int], dict]]:
-            for step in range(steps):
-                indices = mine[step * self.batch_size:(step + 1) * self.batch_size]
-                # collated under its own seed: a collator that draws random numbers leaves dropout's RNG alone
-                yield indices, data.__getitems__(SeededIndices(indices, derive_seed(self.seed, "eval", step,
-                                                                                    self.dp_rank)))
-        return self._evaluate(batches(), steps, prefix, compute_metrics, with_predictions)
-
-    def run_stream(self, stream: Any, prefix: str, compute_metrics: Callable | None,
-                   with_predictions: bool) -> PredictionOutput:
-        """Evaluate a stream (no length): every rank reads it and keeps every dp-th element, from its rank on;
-        each step takes the next `batch_size` of them on every rank while any rank has one left (a rank with
-        none runs an ignored placeholder batch, so every rank runs the same forward passes). Predictions are
-        put back in stream order."""
-        if self.batch_metrics:
-            raise DataError("batch_eval_metrics with a stream as the evaluation dataset: its last batch is known "
-                            "only after it; evaluate a map-style dataset, or set batch_eval_metrics=False")
-
-        def batches() -> Iterator[tuple[list[int], dict]]:
-            with isolated_rng(derive_seed(self.seed, "eval_stream", self.dp_rank)):
-                elements = iter(stream)
-                first = next(elements, None)
-            if first is None:
-                raise DataError("the evaluation stream gave no sample; check that iterating it yields samples")
-            placeholder = PlaceholderDataset([first])[-1]  # the first element with every label ignored
-            mine = itertools.islice(itertools.chain([first], elements), self.dp_rank, None, self.dp_size)
-            for step in itertools.count():
-                with isolated_rng(derive_seed(self.seed, "eval", step, self.dp_rank)):
-                    items = list(itertools.islice(mine, self.batch_size))
-                count = torch.tensor([float(len(items))], dtype=torch.float64, device=self.device)
-                self.backend.all_reduce(count)  # every rank stops at the same step
-                if count.item() == 0:
-                    return
-                start = step * self.batch_size * self.dp_size
-                indices = [start + i * self.dp_size + self.dp_rank for i in range(len(items))]
-                indices += [-1] * (self.batch_size - len(items))
-                with isolated_rng(derive_seed(self.seed, "eval", step, self.dp_rank)):
-                    yield indices, self.collator(items + [placeholder] * (self.batch_size - len(items)))
-        return self._evaluate(batches(), None, prefix, compute_metrics, with_predictions)
-
-    def run_loader(self, loader: Any, prefix: str, compute_metrics: Callable | None,
-                   with_predictions: bool) -> PredictionOutput:
-        """Evaluate the batches of a loader that is not shardtrain's (an overridden `get_eval_dataloader`): they
-        are this rank's; a rank with fewer batches than another repeats its last one with every label ignored,
-        so every rank runs the same forward passes. Predictions are gathered in rank order."""
+    def _foreign(self, loader: Any) -> tuple[Iterator[tuple[list[int], dict]], int]:
+        """The batches of a loader that is not shardtrain's: they are this rank's; a rank with fewer batches than
+        another repeats its last one with every label ignored, so every rank runs the same forward passes."""
         counts = per_rank(len(loader))
         steps = max(counts)
 
@@ -205,7 +161,7 @@ class EvalLoop:
                     raise DataError("the evaluation dataloader of this rank is empty while others have batches; "
                                     "give every rank at least one batch")
                 yield [-1] * batch_rows(last), {k: _ignored(v) if k == "labels" else v for k, v in last.items()}
-        return self._evaluate(batches(), steps, prefix, compute_metrics, with_predictions)
+        return batches(), steps
 
     def _evaluate(self, batches: Iterator[tuple[list[int], dict]], steps: int | None, prefix: str,
                   compute_metrics: Callable | None, with_predictions: bool) -> PredictionOutput:
@@ -343,52 +299,3 @@ class EvalLoop:
             preds.append(pred_rows[row])
             if label_rows is not None:
                 labels.append(label_rows[row])
-
-
-SHARED_DATASET = "_shardtrain_dataset"  # on shardtrain's evaluation loaders: the dataset they split over ranks
-
-
-def rank_share(length: int, *, dp_rank: int, dp_size: int, batch_size: int, drop_last: bool = False) -> list[int]:
-    """The positions of data-parallel rank `dp_rank`'s contiguous block of a dataset of `length` samples;
-    `drop_last`: of the samples of whole global batches only (Hugging Face's dataloader_drop_last)."""
-    if drop_last:
-        length = length // (batch_size * dp_size) * (batch_size * dp_size)
-    per_rank = -(-length // dp_size)
-    return list(range(dp_rank * per_rank, min(length, (dp_rank + 1) * per_rank)))
-
-
-def eval_loader(dataset: Any, collator: Callable, *, batch_size: int, dp_rank: int, dp_size: int,
-                seed: int, drop_last: bool = False) -> DataLoader:
-    """`get_eval_dataloader`'s loader: this data-parallel rank's contiguous share of `dataset`, collated (a stream:
-    every element). It stands for its dataset: `loader_source` gives the dataset back, which `EvalLoop.evaluate`
-    evaluates exactly over every rank."""
-    if is_stream(dataset):  # read by EvalLoop.run_stream; iterating this loader gives every element
-        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collator)
-    else:
-        indices = rank_share(len(dataset), dp_rank=dp_rank, dp_size=dp_size, batch_size=batch_size,
-                             drop_last=drop_last)
-        batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
-        loader = DataLoader(CollatingDataset(dataset, collator), batch_sampler=_FixedBatches(batches, seed),
-                            collate_fn=passthrough)
-    setattr(loader, SHARED_DATASET, dataset)
-    loader.total_batch_size = batch_size * dp_size  # Accelerate's loaders say it (batch x processes)
-    return loader
-
-
-def loader_source(loader: Any) -> Any:
-    """The dataset an `eval_loader` stands for; any other loader (an override's) is its own source."""
-    return getattr(loader, SHARED_DATASET, loader)
-
-
-class _FixedBatches(Sampler):
-    """A batch sampler over fixed index lists (each with its own collation seed)."""
-
-    def __init__(self, batches: list[list[int]], seed: int) -> None:
-        self.batches, self.seed = batches, seed
-
-    def __iter__(self) -> Iterator[SeededIndices]:
-        for i, batch in enumerate(self.batches):
-            yield SeededIndices(batch, derive_seed(self.seed, "share", i))
-
-    def __len__(self) -> int:
-        return len(self.batches)

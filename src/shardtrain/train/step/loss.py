@@ -180,6 +180,10 @@ class LossComputer:
             return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         return labels
 
+    def standing_in(self) -> bool:
+        """Whether the current micro-batch is a placeholder (it stands in for no sample)."""
+        return self.placeholder
+
     def items(self, batch: dict[str, Any], placeholder: bool | None = None, by_samples: bool = False) -> torch.Tensor:
         """Target tokens (or samples: a model's own loss, or `by_samples`) of `batch` that the loss is summed over."""
         placeholder = self.placeholder if placeholder is None else placeholder

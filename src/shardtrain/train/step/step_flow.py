@@ -65,8 +65,8 @@ class LossWindow:
     Each step's loss is the global token sum / count; the sums are all-reduced once per log entry, not per step.
     """
 
-    def __init__(self, all_reduce: Callable[[torch.Tensor], None], nan_inf_filter: bool) -> None:
-        self._all_reduce, self._nan_inf_filter = all_reduce, nan_inf_filter
+    def __init__(self, all_reduce: Callable[..., None], *, group: Any = None, nan_inf_filter: bool) -> None:
+        self._all_reduce, self._group, self._nan_inf_filter = all_reduce, group, nan_inf_filter
         self._steps: list[tuple[torch.Tensor, int]] = []
         self._total, self._count = 0.0, 0
 
@@ -81,7 +81,7 @@ class LossWindow:
         """The window's step losses, added to `train_loss`; empties the window. At the end of training the steps
         no entry logged are folded in this way too, as Hugging Face's `train_loss` counts them."""
         sums = torch.stack([s for s, _ in self._steps])
-        self._all_reduce(sums)  # every token's loss once
+        self._all_reduce(sums, group=self._group)  # every token's loss once (the loss mesh's ranks)
         losses = [(s / max(t, 1)).item() for s, (_, t) in zip(sums, self._steps, strict=True)]
         if self._nan_inf_filter:
             losses = nan_inf_filtered(losses)
