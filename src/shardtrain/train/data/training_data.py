@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from shardtrain.errors import DataError
+from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.data.batch_plan import (
     BatchPlan,
     CollatingDataset,
@@ -76,7 +77,7 @@ class TrainingData:
     drop_last: bool = False
 
     @classmethod
-    def of(cls, args: Any, runtime: Any, dataset: Any, collator: Callable,
+    def of(cls, args: Any, runtime: Runtime, dataset: Any, collator: Callable,
            per_device: int | None = None) -> TrainingData:
         """The part for `TrainingArguments` `args` (batch sizes, accumulation, seeds, `dataloader_*`) on a
         `parallel.runtime.Runtime`. `per_device`: a per-device batch below the configured one (which it divides;
