@@ -9,9 +9,9 @@ says what is reset between cases); its output and exit code come back as a `subp
 that fails or hangs is reported with every rank's output (tracebacks included), and the pool is stopped: the
 next case starts a new one. `launch.torchrun` / `launch.python` send runs that are expected to succeed here;
 runs whose launch, exit or crash is under test start real processes (`pooled=False`).
-SHARDTRAIN_TEST_POOL=1 turns the pool on; it is off by default (every run a real launch): on this machine a whole
-suite on it still met cached DTensor plans that outlive a case's process group (fixed for the caches found), and
-idle pools cost CPU while other tests run.
+The pool is on by default; SHARDTRAIN_TEST_POOL=0 turns it off (every run a real launch, as a user's would be):
+the way to tell a fault of the pool (a cache that outlives a case's process group, a setting a case left behind)
+from a fault of the code.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from pathlib import Path
 SERVER = Path(__file__).resolve().parent / "rank_pool_server.py"
 START_S = 180.0  # a pool's start-up (imports), added to the first case's time-out
 FAILED_PEER_WAIT_S = 30.0  # after one rank failed, how long the others get to finish before the pool is stopped
-# opt-in until a whole suite runs clean on it (see the module docstring): SHARDTRAIN_TEST_POOL=1
-ENABLED = os.environ.get("SHARDTRAIN_TEST_POOL", "0") == "1"
+ENABLED = os.environ.get("SHARDTRAIN_TEST_POOL", "1") != "0"  # SHARDTRAIN_TEST_POOL=0: every run a real launch
 
 
 class RankPool:
