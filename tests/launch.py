@@ -28,10 +28,11 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def _pooled(nproc: int, script: str | Path, args: tuple, timeout: float, env: dict | None, pooled: bool | None,
-            check: bool) -> subprocess.CompletedProcess | None:
+            check: bool, cwd: Path | None = None) -> subprocess.CompletedProcess | None:
     if not (rank_pool.ENABLED and (check if pooled is None else pooled)):
         return None
-    proc = rank_pool.pool(nproc, worker_env()).run(script, list(args), env=env or worker_env(), timeout=timeout)
+    proc = rank_pool.pool(nproc, worker_env()).run(script, list(args), env=env or worker_env(), timeout=timeout,
+                                                   cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} on {nproc} pooled rank(s) failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -39,16 +40,16 @@ def _pooled(nproc: int, script: str | Path, args: tuple, timeout: float, env: di
 
 
 def torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 600, env: dict | None = None,
-             check: bool = True, pooled: bool | None = None) -> subprocess.CompletedProcess:
-    """Run `script` on `nproc` ranks (pooled: by default when `check`) or with torchrun on a fresh port; fail
-    with its output on error."""
-    done = _pooled(nproc, script, args, timeout, env, pooled, check)
+             check: bool = True, pooled: bool | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` ranks (pooled: by default when `check`) or with torchrun on a fresh port, in `cwd`;
+    fail with its output on error."""
+    done = _pooled(nproc, script, args, timeout, env, pooled, check, cwd)
     if done is not None:
         return done
     # No port given: torchrun's c10d rendezvous binds port 0 itself (a port picked beforehand could be taken
     # by another test before torchrun binds it).
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(script), *args]
-    proc = subprocess.run(cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun {script} x{nproc} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")

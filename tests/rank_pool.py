@@ -85,15 +85,17 @@ class RankPool:
 
         return read("out"), read("err")
 
-    def run(self, script: str | Path, args: list[str], *, env: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess:
-        """Run `script args` on every rank of the pool; what a launch of it would have returned."""
+    def run(self, script: str | Path, args: list[str], *, env: dict[str, str], timeout: float,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        """Run `script args` on every rank of the pool (in `cwd`, else the pool's folder); what a launch of it would
+        have returned."""
         starting = self.proc is None or self.proc.poll() is not None
         if starting:
             self.stop()
             self._start()
         case = self.case
-        self._write_job({"script": str(script), "args": [str(a) for a in args], "env": env})
+        self._write_job({"script": str(script), "args": [str(a) for a in args], "env": env,
+                         "cwd": str(cwd) if cwd is not None else None})
         deadline = time.monotonic() + timeout + (START_S if starting else 0.0)
         failed_since = None
         while True:

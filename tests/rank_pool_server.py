@@ -186,6 +186,8 @@ def main() -> None:
         os.environ.update({k: v for k, v in saved.environ.items() if k in LAUNCHER_VARS or
                            k.startswith("TORCHELASTIC_")})
         with output_to(POOL / f"{case}-{RANK}.out", POOL / f"{case}-{RANK}.err"):
+            if job.get("cwd"):
+                os.chdir(job["cwd"])
             fresh_process_group(case, store)
             code = run_script(job["script"], job["args"])
             try:  # what a process exit would have done

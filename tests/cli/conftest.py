@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,26 @@ def launch_ok(home: Path, *args: object, cwd: Path | None = None, **env: str) ->
                           timeout=600, cwd=cwd)
     assert proc.returncode == 0, explain(proc)
     return proc
+
+
+def launch_pooled(home: Path, *args: object, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`shardtrain launch ARGS` for a test whose subject is what the launcher hands the script (flags, a config
+    file, parallelism), not the launch itself: the launcher decides, in its own `--dry_run` (torchrun's arguments,
+    the variables it sets and unsets), and the script runs with exactly those on the session's rank pool. Tests of
+    the launch itself (exit codes, restarts, signals, machines) use `launch_ok`."""
+    from launch import torchrun
+
+    dry = subprocess.run(cli_cmd("launch", "--dry_run", *args), env=cli_env(home, **env), capture_output=True,
+                         text=True, timeout=120, cwd=cwd)
+    assert dry.returncode == 0, explain(dry)
+    plan = json.loads(dry.stdout)
+    argv = plan["torchrun_argv"]
+    nproc = int(next(arg.split("=", 1)[1] for arg in argv if arg.startswith("--nproc_per_node=")))
+    at = next(i for i, arg in enumerate(argv) if not arg.startswith("--"))  # the script, then its arguments
+    run_env = {**cli_env(home, **env), **plan["env"]}
+    for name in plan["unset"]:
+        run_env.pop(name, None)
+    return torchrun(Path(cwd or REPO) / argv[at], nproc, *argv[at + 1:], env=run_env, cwd=cwd)
 
 
 def run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 400) -> list[tuple]:

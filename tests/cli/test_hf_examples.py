@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_cmd, cli_env, explain
+from conftest import cli_env, explain, launch_pooled
+from launch import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data"
@@ -59,10 +60,11 @@ def runs(tmp_path_factory):
                                "from transformers import Trainer, TrainingArguments")
         assert swapped != text
         hf_script.write_text(swapped)
-        _run(_torchrun(script, "--output_dir", root / f"{name}-torchrun", "--fsdp", "full_shard auto_wrap", *args,
-                       *COMMON), home)
-        _run(cli_cmd("launch", "--cpu", "--num_processes", 2, script,
-                     "--output_dir", root / f"{name}-launch", *args, *COMMON), home)
+        # ours under torchrun and under `shardtrain launch` (what it hands the script), on the rank pool
+        torchrun(script, 2, "--output_dir", str(root / f"{name}-torchrun"), "--fsdp", "full_shard auto_wrap",
+                 *map(str, args), *COMMON, env=cli_env(home))
+        launch_pooled(home, "--cpu", "--num_processes", 2, script, "--output_dir", root / f"{name}-launch", *args,
+                      *COMMON, cwd=REPO)
         _run(_torchrun(hf_script, "--output_dir", root / f"{name}-hf", *args, *COMMON, *HF_ONLY[name]), home)
     return root
 

@@ -1,7 +1,8 @@
 """`shardtrain launch` with context parallelism (from flags and from an Accelerate YAML `parallelism_config`
 block) and tensor parallelism (flags): run_clm.py on 4 ranks (dp_shard 2 x cp 2, dp_shard 2 x tp 2) logs the
 losses and evaluation of 2 data-parallel ranks; expert parallelism from our own flag (`--parallelism_config_ep_size`)
-and YAML key (`parallelism_config_ep_size`) trains a tiny Qwen3-MoE on 4 ranks like one process."""
+and YAML key (`parallelism_config_ep_size`) trains a tiny Qwen3-MoE on 4 ranks like one process. What the launcher
+decides is its own (`--dry_run`); the runs are pooled (`launch_pooled`)."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cli_cmd, cli_env, explain, launch_ok
+from conftest import cli_cmd, cli_env, explain, launch_pooled
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "data"
@@ -36,7 +37,7 @@ parallelism_config:
 
 
 def _launch(home: Path, out: Path, *flags: object) -> subprocess.CompletedProcess:
-    return launch_ok(home, *flags, SCRIPT, "--output_dir", out, *ARGS, cwd=REPO)
+    return launch_pooled(home, *flags, SCRIPT, "--output_dir", out, *ARGS, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +113,12 @@ def ep_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("launch_ep")
     home = root / "home"
     python(WORKER, _moe_job(root / "ref", per_device_train_batch_size=8))
-    launch_ok(home, "--cpu", "--num_processes", 4, "--use_parallelism_config", "--parallelism_config_ep_size", 2,
-              WORKER, _moe_job(root / "flag", per_device_train_batch_size=2), cwd=REPO)
+    launch_pooled(home, "--cpu", "--num_processes", 4, "--use_parallelism_config", "--parallelism_config_ep_size", 2,
+                  WORKER, _moe_job(root / "flag", per_device_train_batch_size=2), cwd=REPO)
     config = root / "ep.yaml"
     config.write_text(EP_YAML)
-    launch_ok(home, "--config_file", config, WORKER, _moe_job(root / "yaml", per_device_train_batch_size=2), cwd=REPO)
+    launch_pooled(home, "--config_file", config, WORKER, _moe_job(root / "yaml", per_device_train_batch_size=2),
+                  cwd=REPO)
     return root
 
 
