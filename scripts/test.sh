@@ -11,4 +11,4 @@ SITE="$(mktemp -d)"
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$SITE"
 rm -rf "$SITE"
 export OMP_NUM_THREADS=1 SHARDTRAIN_CPU=1
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"  # the 30 slowest, for whoever next cuts the time
