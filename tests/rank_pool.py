@@ -9,9 +9,7 @@ says what is reset between cases); its output and exit code come back as a `subp
 that fails or hangs is reported with every rank's output (tracebacks included), and the pool is stopped: the
 next case starts a new one. `launch.torchrun` / `launch.python` send runs that are expected to succeed here;
 runs whose launch, exit or crash is under test start real processes (`pooled=False`).
-The pool is on by default; SHARDTRAIN_TEST_POOL=0 turns it off (every run a real launch, as a user's would be):
-the way to tell a fault of the pool (a cache that outlives a case's process group, a setting a case left behind)
-from a fault of the code.
+SHARDTRAIN_TEST_POOL=1 turns the pool on; off (the default), every run is a real launch, as a user's would be.
 """
 
 from __future__ import annotations
@@ -29,7 +27,10 @@ from pathlib import Path
 SERVER = Path(__file__).resolve().parent / "rank_pool_server.py"
 START_S = 180.0  # a pool's start-up (imports), added to the first case's time-out
 FAILED_PEER_WAIT_S = 30.0  # after one rank failed, how long the others get to finish before the pool is stopped
-ENABLED = os.environ.get("SHARDTRAIN_TEST_POOL", "1") != "0"  # SHARDTRAIN_TEST_POOL=0: every run a real launch
+# opt-in (SHARDTRAIN_TEST_POOL=1) until the thread leak below is fixed: a whole suite on the pool (session 20) left
+# ~20 threads per case in every rank (753 per rank of the 2-rank pool after 37 cases, load average ~500), which
+# slowed every later test and timed out a real launch
+ENABLED = os.environ.get("SHARDTRAIN_TEST_POOL", "0") == "1"
 
 
 class RankPool:
