@@ -124,14 +124,12 @@ class EvalLoop:
             batches, steps = loader.indexed(), len(loader)
         output = self._evaluate(batches, steps, prefix, compute_metrics, with_predictions)
         if not isinstance(loader, ShareLoader):
-            samples = len(loader) * global_batch
-        elif loader.stream:
-            samples = over_data_ranks(self.rows, self.backend.all_reduce, self.device, self.dp_size,
-                                      self.backend.world_size)
-        else:
-            samples = loader.samples
-        steps = steps if not isinstance(loader, ShareLoader) else -(-samples // global_batch)
-        output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=steps))
+            samples, speed_steps = len(loader) * global_batch, steps
+        else:  # a stream's count is known at its end
+            samples = loader.samples if not loader.stream else over_data_ranks(
+                self.rows, self.backend.all_reduce, self.device, self.dp_size, self.backend.world_size)
+            speed_steps = -(-samples // global_batch)
+        output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=speed_steps))
         return output, samples
 
     def _until_every_rank_is_done(self, batches: Iterator[tuple[list[int], dict]]
