@@ -1,7 +1,7 @@
 """Multi-process runs for tests: torchrun (`torch.distributed.run`) on a port it picks, gloo, 1 thread.
 
 A run expected to succeed goes to the session's rank pool (`rank_pool.py`: ranks started once, each case run in
-them as a launch would run it; SHARDTRAIN_TEST_POOL=1 turns it on); a run expected to fail (`check=False`), or
+them as a launch would run it; SHARDTRAIN_TEST_POOL=0 turns it off); a run expected to fail (`check=False`), or
 one whose launch is under test (`pooled=False`), always starts real processes.
 """
 

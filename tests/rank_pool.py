@@ -9,7 +9,7 @@ says what is reset between cases); its output and exit code come back as a `subp
 that fails or hangs is reported with every rank's output (tracebacks included), and the pool is stopped: the
 next case starts a new one. `launch.torchrun` / `launch.python` send runs that are expected to succeed here;
 runs whose launch, exit or crash is under test start real processes (`pooled=False`).
-SHARDTRAIN_TEST_POOL=1 turns the pool on; off (the default), every run is a real launch, as a user's would be.
+SHARDTRAIN_TEST_POOL=0 turns the pool off: every run is then a real launch, as a user's would be.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from pathlib import Path
 SERVER = Path(__file__).resolve().parent / "rank_pool_server.py"
 START_S = 180.0  # a pool's start-up (imports), added to the first case's time-out
 FAILED_PEER_WAIT_S = 30.0  # after one rank failed, how long the others get to finish before the pool is stopped
-# opt-in (SHARDTRAIN_TEST_POOL=1) until the thread leak below is fixed: a whole suite on the pool (session 20) left
-# ~20 threads per case in every rank (753 per rank of the 2-rank pool after 37 cases, load average ~500), which
-# slowed every later test and timed out a real launch
-ENABLED = os.environ.get("SHARDTRAIN_TEST_POOL", "0") == "1"
+# A case that leaves threads behind makes every later one slower: before `release_destroyed_groups`, each case left
+# its gloo groups' `gloo_tcp_loop` threads (753 per rank after 37 cases in session 20, load average ~500). A pool
+# whose ranks have more threads than this after a case is restarted before the next one.
+MAX_THREADS = 64
+ENABLED = os.environ.get("SHARDTRAIN_TEST_POOL", "1") != "0"
 
 
 class RankPool:
@@ -121,11 +122,16 @@ class RankPool:
             return subprocess.CompletedProcess(["rank-pool", str(script), *args], failed[0] if failed else 1,
                                                out, err)
         self.case += 1
+        if max(self._done(case, rank).get("threads", 0) for rank in range(self.nproc)) > MAX_THREADS:
+            self.stop()
         return subprocess.CompletedProcess(["rank-pool", str(script), *args], 0, out, err)
 
-    def _code(self, case: int, rank: int) -> int | None:
+    def _done(self, case: int, rank: int) -> dict:
         path = self.dir / f"done-{case}-{rank}.json"
-        return json.loads(path.read_text())["rc"] if path.exists() else None
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def _code(self, case: int, rank: int) -> int | None:
+        return self._done(case, rank).get("rc")
 
 
 _pools: dict[int, RankPool] = {}

@@ -9,7 +9,8 @@ variables kept), its argv, the script's folder first on sys.path, a fresh defaul
 one destroyed), and afterwards the warning filters, loggers, signal handlers, Accelerate's singletons and torch's
 global settings as they were. Its stdout and stderr (file descriptors 1 and 2, so C++ and logging output too)
 go to POOL_DIR/<case>-<rank>.out/.err; its exit code to POOL_DIR/done-<case>-<rank>.json. What it does not
-reset (module caches, threads left running) is why a case that fails makes the test side restart the pool.
+reset (module caches, threads left running) is why a case that fails makes the test side restart the pool, and
+why it restarts one whose ranks report too many threads (`thread_count`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 
 import shardtrain  # noqa: E402, F401
-from shardtrain.parallel.distributed import destroy_distributed, init_distributed  # noqa: E402
+from shardtrain.parallel.distributed import (  # noqa: E402
+    destroy_distributed,
+    init_distributed,
+    release_destroyed_groups,
+)
 
 with contextlib.suppress(ImportError):  # the dev extra's libraries, when installed
     import peft  # noqa: F401
@@ -148,6 +153,14 @@ def fresh_process_group(case: int, store: dist.TCPStore | None) -> None:
                                 world_size=WORLD)
 
 
+def thread_count() -> int:
+    """This process's threads (0 where /proc cannot tell), which the test side bounds by restarting the pool."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
 def run_script(script: str, args: list[str]) -> int:
     """Run `script` as `__main__` with `args`; its exit code as a process would have it."""
     sys.argv[:] = [script, *args]
@@ -199,7 +212,8 @@ def main() -> None:
                 code = code or 1
         saved.restore()
         done = POOL / f"done-{case}-{RANK}.json"
-        done.with_suffix(".tmp").write_text(json.dumps({"rc": code}))
+        release_destroyed_groups()  # after the restore, which drops Accelerate's hold on the case's groups
+        done.with_suffix(".tmp").write_text(json.dumps({"rc": code, "threads": thread_count()}))
         done.with_suffix(".tmp").rename(done)
         if code != 0:  # the test side restarts the pool: whatever the case left behind goes with it
             break

@@ -245,6 +245,18 @@ def _release_parked() -> None:
         _parked.clear()
 
 
+def release_destroyed_groups() -> None:
+    """In a process that goes on after `destroy_distributed()`: free what its groups left, once they are garbage.
+
+    A parked barrier Work holds its group's gloo context, and with it a `gloo_tcp_loop` thread; it stays
+    parked when the destroy ran while something (a Trainer, Accelerate's state) still referenced the groups.
+    The test suite's rank pool calls this between the scripts it runs.
+    """
+    if _parked and not dist.is_initialized():
+        gc.collect()
+        _release_parked()
+
+
 def _exit_rendezvous(timeout_s: float) -> bool:
     """Wait (up to `timeout_s`) until every rank has reached its exit handler; False (and a warning) when
     a peer did not come or the store is gone. Store-based, so a timeout leaves nothing queued on gloo."""
