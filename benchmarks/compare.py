@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of raw, shardtrain, hf, raw_head (raw + shardtrain's norm/lm_head unit), "
                              "shardtrain_glibc_malloc, shardtrain_no_shard, shardtrain_compile, "
-                             "shardtrain_gloo_reduce_scatter, shardtrain_thread_arenas")
+                             "shardtrain_gloo_reduce_scatter, shardtrain_thread_arenas, shardtrain_forward_prefetch")
     parser.add_argument("--no-state", action="store_true", help="skip the model-state bytes at N = 1, 2, 4")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the results as markdown tables")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
@@ -300,7 +300,8 @@ def main() -> None:
                      ("raw", "single_process_lower_bound"), ("shardtrain", "single_process_lower_bound"),
                      ("shardtrain", "shardtrain_glibc_malloc"), ("shardtrain_no_shard", "hf"),
                      ("shardtrain_compile", "shardtrain"), ("shardtrain", "shardtrain_gloo_reduce_scatter"),
-                     ("shardtrain", "shardtrain_thread_arenas")]
+                     ("shardtrain", "shardtrain_thread_arenas"), ("shardtrain_forward_prefetch", "shardtrain"),
+                     ("shardtrain_forward_prefetch", "hf")]
             size_result["ratios"] = {f"{a}/{b}": ratio(size_result[a], size_result[b]) for a, b in pairs
                                      if a in size_result and b in size_result}
             bound = size_result["single_process_lower_bound"].get("step_time_s_median")

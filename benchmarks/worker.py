@@ -160,6 +160,8 @@ SHARDTRAIN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, s
     "shardtrain_glibc_malloc": ({}, {}, {"SHARDTRAIN_CPU_ALLOCATOR": "default"}),  # glibc's own malloc settings
     "shardtrain_no_shard": ({"sharding_strategy": "NO_SHARD"}, {}, {}),  # DDP-equivalent: replicate, all-reduce
     "shardtrain_compile": ({}, {"torch_compile": True}, {}),  # each FSDP unit compiled (inductor) before sharding
+    # explicit prefetch: each unit's all-gather issued one unit ahead in forward and backward
+    "shardtrain_forward_prefetch": ({"forward_prefetch": True}, {}, {}),
     # the session-6 defaults, one change each: gloo's own reduce-scatter; glibc's per-thread malloc arenas
     "shardtrain_gloo_reduce_scatter": ({}, {}, {"SHARDTRAIN_GLOO_REDUCE_SCATTER": "native"}),
     "shardtrain_thread_arenas": ({}, {}, {"SHARDTRAIN_CPU_ALLOCATOR": "default"}),  # + thresholds, see below

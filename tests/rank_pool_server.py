@@ -5,12 +5,13 @@ send, each as `python SCRIPT ARGS...` (or one rank of `torchrun ... SCRIPT ARGS.
     python tests/rank_pool_server.py POOL_DIR                           # a one-process pool (no launcher)
 
 What a new process would give each case, the pool gives it again: the case's own environment (torchrun's
-variables kept), its argv, the script's folder first on sys.path, a fresh default process group (the previous
-one destroyed), and afterwards the warning filters, loggers, signal handlers, Accelerate's singletons and torch's
-global settings as they were. Its stdout and stderr (file descriptors 1 and 2, so C++ and logging output too)
-go to POOL_DIR/<case>-<rank>.out/.err; its exit code to POOL_DIR/done-<case>-<rank>.json. What it does not
-reset (module caches, threads left running) is why a case that fails makes the test side restart the pool, and
-why it restarts one whose ranks report too many threads (`thread_count`).
+variables kept), its argv, the script's folder first on sys.path and its modules imported anew, a fresh default
+process group (the previous one destroyed), and afterwards the warning filters, loggers, signal handlers,
+Accelerate's singletons and torch's global settings as they were. Its stdout and stderr (file descriptors 1 and
+2, so C++ and logging output too) go to POOL_DIR/<case>-<rank>.out/.err; its exit code to
+POOL_DIR/done-<case>-<rank>.json. What it does not reset (library module caches, threads left running) is why a
+case that fails makes the test side restart the pool, and why it restarts one whose ranks report too many threads
+(`thread_count`).
 """
 
 from __future__ import annotations
@@ -161,10 +162,21 @@ def thread_count() -> int:
         return 0
 
 
+def forget_script_modules(folder: Path) -> None:
+    """Drop the modules imported from the script's folder: a sibling module that reads sys.argv when imported
+    (`workers/trl_runs.py`) must be imported again by the next case, as a new process would."""
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and Path(file).resolve().parent == folder:
+            del sys.modules[name]
+
+
 def run_script(script: str, args: list[str]) -> int:
     """Run `script` as `__main__` with `args`; its exit code as a process would have it."""
     sys.argv[:] = [script, *args]
-    sys.path.insert(0, str(Path(script).resolve().parent))
+    folder = Path(script).resolve().parent
+    forget_script_modules(folder)
+    sys.path.insert(0, str(folder))
     try:
         runpy.run_path(script, run_name="__main__")
         return 0

@@ -50,7 +50,6 @@ ACCELERATE_IGNORED = [
     "debug",
     "downcast_bf16",
     "fsdp_config.fsdp_backward_prefetch_policy",
-    "fsdp_config.fsdp_forward_prefetch",
     "fsdp_config.fsdp_sync_module_states",
     "fsdp_config.fsdp_use_orig_params",
     "main_training_function",

@@ -95,9 +95,14 @@ def test_the_launch_lines_give_torchrun_what_they_say(folder, tmp_path):
     assert plans[2]["cluster"]["scheduler"] == "slurm" and "--nnodes=1" in plans[2]["torchrun_argv"]
 
 
-def test_a_reader_that_leaves_early_ends_the_command_quietly(folder):
-    proc = subprocess.Popen([sys.executable, "-m", "shardtrain.cli.main", "plan", "config.json", "--json"], cwd=folder,
-                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    from transformers import LlamaConfig
+
+    # a small model: the subject is the closed pipe, not the plan (the README's config takes ~40 s to plan here)
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).to_json_file(tmp_path / "config.json")
+    proc = subprocess.Popen([sys.executable, "-m", "shardtrain.cli.main", "plan", "config.json", "--json"],
+                            cwd=tmp_path, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # `shardtrain plan ... | head -0`: nobody reads what it prints
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 141 and "Traceback" not in err, err  # as a command SIGPIPE ends

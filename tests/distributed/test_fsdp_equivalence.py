@@ -22,6 +22,9 @@ CASES = {
     "tied": {},
     "tied_checkpointing": {"activation_checkpointing": True, "reshard_after_forward": False},
     "native_reduce_scatter": {"_env": {"SHARDTRAIN_GLOO_REDUCE_SCATTER": "native"}},
+    "forward_prefetch": {"forward_prefetch": True},
+    "forward_prefetch_head_checkpointing": {"forward_prefetch": "true", "output_unit": True,
+                                            "activation_checkpointing": True},
 }
 FOUR_RANK_ONLY = {"hybrid_shard": {"sharding_strategy": "hybrid_shard", "dp_shard_size": 2},
                   "hybrid_shard_zero2": {"sharding_strategy": 5, "dp_shard_size": 2}}
@@ -128,3 +131,18 @@ def test_gloo_reduce_scatter_is_an_all_to_all_and_matches_gloos_own(runs, world)
         assert got["losses"] == pytest.approx(native["losses"], abs=1e-5, rel=0)
         for key in weights:
             torch.testing.assert_close(weights[key], native_weights[key], atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("default", [[0, 0]] * 3),
+    # root -> layer 0 -> layer 1 in forward; layer 1 -> layer 0 in backward (the root is gathered throughout)
+    ("forward_prefetch", [[1, 0], [1, 0], [0, 1]]),
+    # ... -> layer 1 -> head in forward, head -> layer 1 -> layer 0 in backward; the head unit's final norm and
+    # lm_head share one FSDP state, listed for each
+    ("forward_prefetch_head_checkpointing", [[1, 0], [1, 0], [1, 1], [0, 1], [0, 1]]),
+])
+def test_forward_prefetch_links_each_unit_to_the_next(runs, case, expected):
+    """`forward_prefetch` sets FSDP2's explicit prefetch along the units (root first, head last); the losses equal one
+    process's (test_matches_single_process)."""
+    got, _ = _load(runs, "n2", case)
+    assert got["prefetches"] == expected

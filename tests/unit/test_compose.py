@@ -71,9 +71,12 @@ def test_accelerate_environment_is_read_as_shardtrain_settings():
            "ACCELERATE_MIXED_PRECISION": "bf16"}
     got = from_environment(env)
     assert got.use_fsdp and got.mixed_precision == "bf16"
-    assert got.fsdp == {"version": 2, "offload_params": "true",
+    assert got.fsdp == {"version": 2, "offload_params": "true", "forward_prefetch": "true",
                         "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer", "MixtralDecoderLayer"]}
-    assert len(got.ignored) == 1 and "fsdp_forward_prefetch true" in got.ignored[0]  # not at Accelerate's default
+    assert got.ignored == ()  # use_orig_params true: Accelerate's default, not reported
+    assert from_environment({**env, "FSDP_SYNC_MODULE_STATES": "false"}).ignored == (
+        "accelerate launch --fsdp_sync_module_states false (FSDP1 only; FSDP2 prefetches in backward and keeps "
+        "original parameters by design)",)
     assert from_environment({}).use_fsdp is False
     with pytest.raises(LaunchConfigError, match="--use_deepspeed"):
         from_environment({"ACCELERATE_USE_DEEPSPEED": "true"})

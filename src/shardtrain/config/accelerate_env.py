@@ -47,10 +47,11 @@ FSDP_FLAGS: dict[str, str] = {
     "fsdp_activation_checkpointing_offload": "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
 }
 # What Accelerate's launcher writes for a flag not given; FSDP1-only settings at these values are not reported
-ACCELERATE_DEFAULTS = {"fsdp_forward_prefetch": "false", "fsdp_use_orig_params": "true",
-                       "fsdp_sync_module_states": "true", "fsdp_activation_checkpointing_offload": "false"}
-# FSDP1's settings that FSDP2 has no use for (Accelerate's FSDP2 plugin ignores them too)
-FSDP1_ONLY = ("fsdp_forward_prefetch", "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states")
+ACCELERATE_DEFAULTS = {"fsdp_use_orig_params": "true", "fsdp_sync_module_states": "true",
+                       "fsdp_activation_checkpointing_offload": "false"}
+# FSDP1's settings that FSDP2 has no use for (Accelerate's FSDP2 plugin ignores them too). fsdp_forward_prefetch is
+# not one: shardtrain gives it its FSDP1 meaning with FSDP2's explicit prefetch (FSDPConfig.forward_prefetch).
+FSDP1_ONLY = ("fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states")
 
 
 def flag_help(flag: str) -> str:
@@ -103,8 +104,8 @@ def fsdp_from_flags(values: Mapping[str, Any], how: str = "--{}",
         text = str(value).strip()
         if flag in FSDP1_ONLY:
             if text.lower() != ACCELERATE_DEFAULTS.get(flag, ""):
-                ignored.append(f"{how.format(flag)} {text} (FSDP1 only; FSDP2 prefetches and keeps original "
-                               "parameters by design)")
+                ignored.append(f"{how.format(flag)} {text} (FSDP1 only; FSDP2 prefetches in backward and keeps "
+                               "original parameters by design)")
         elif flag == "fsdp_activation_checkpointing_offload":
             if _true(text):
                 raise LaunchConfigError(f"{how.format(flag)} {text}: offloading checkpointed activations is not "

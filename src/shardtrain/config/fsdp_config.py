@@ -41,7 +41,7 @@ _STRATEGY_BY_NUMBER = {1: "full_shard", 2: "shard_grad_op", 3: "no_shard", 4: "h
 _ALIASES = {"offload_params": "cpu_offload", "min_num_param": "min_num_params", "wrap_policy": "auto_wrap_policy"}
 # FSDP1-only knobs that FSDP2 has no use for: accepted so old configs load, ignored with a warning.
 IGNORED_FSDP1_KEYS = frozenset(
-    {"backward_prefetch", "backward_prefetch_policy", "forward_prefetch", "sync_module_states",
+    {"backward_prefetch", "backward_prefetch_policy", "sync_module_states",
      "use_orig_params", "limit_all_gathers", "activation_cpu_offload", "cpu_offload_pin_memory"}
 )
 
@@ -123,7 +123,9 @@ class FSDPConfig:
 
     Attributes mirror the `fsdp_config` keys of Hugging Face Trainer (FSDP2). Derived from a legacy
     `sharding_strategy`: `replicate_only` (no_shard) and `hybrid` (2-D mesh: replicate x shard).
-    `activation_checkpointing` is False, True (full) or "selective" (per-op; see `ac_mode`).
+    `activation_checkpointing` is False, True (full) or "selective" (per-op; see `ac_mode`). `forward_prefetch`
+    (FSDP1's name, FSDP2's explicit prefetch): each unit starts the all-gather of the next one before its own
+    forward, and of the previous one before its own backward.
     """
 
     version: int = 2
@@ -136,6 +138,7 @@ class FSDPConfig:
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool | str = False
     output_unit: bool | str = "auto"
+    forward_prefetch: bool = False
     mixed_precision: str | None = None
     sharding_strategy: str | None = None
     replicate_only: bool = False
@@ -208,7 +211,8 @@ class FSDPConfig:
                 raise FSDPConfigError(f"fsdp_config key {key!r} got {value!r} ({type(value).__name__}); "
                                       f"expected {allowed}")
 
-        for key in ("cpu_offload", "cpu_ram_efficient_loading", "xla", "xla_fsdp_grad_ckpt", "xla_fsdp_v2"):
+        for key in ("cpu_offload", "cpu_ram_efficient_loading", "forward_prefetch", "xla", "xla_fsdp_grad_ckpt",
+                    "xla_fsdp_v2"):
             self._coerce_bool(key)
             check_type(key, (bool,), "true or false")
         self.activation_checkpointing = parse_activation_checkpointing(self.activation_checkpointing)

@@ -36,6 +36,12 @@ def _reduce_scatters(model: torch.nn.Module) -> list[str]:
     return sorted({type(g._reduce_scatter_comm).__name__ for g in groups if g is not None})
 
 
+def _prefetches(model: torch.nn.Module) -> list[int]:
+    """Per FSDP unit (module order): how many units it prefetches in forward and in backward, explicitly."""
+    states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
+    return [[len(s._states_to_forward_prefetch), len(s._states_to_backward_prefetch)] for s in states]
+
+
 def _run_case(out: Path, name: str, config: dict | None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tie = "tied" in name
@@ -70,7 +76,8 @@ def _run_case(out: Path, name: str, config: dict | None) -> None:
                   "tied": model.lm_head.weight is model.model.embed_tokens.weight, "generated": tokens.tolist(),
                   "fsdp_modules": sum(isinstance(m, FSDPModule) for m in model.modules()),
                   "gathered_after_forward": gathered_after_forward,
-                  "reduce_scatter": _reduce_scatters(model) if config is not None else []}
+                  "reduce_scatter": _reduce_scatters(model) if config is not None else [],
+                  "prefetches": _prefetches(model) if config is not None else []}
         (out / f"{name}.json").write_text(json.dumps(result))
 
 
