@@ -167,7 +167,7 @@ def forget_script_modules(folder: Path) -> None:
     (`workers/trl_runs.py`) must be imported again by the next case, as a new process would."""
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and Path(file).resolve().parent == folder:
+        if file and os.path.dirname(file) == str(folder):  # imported through sys.path's str(folder) entry
             del sys.modules[name]
 
 
@@ -223,8 +223,8 @@ def main() -> None:
                 traceback.print_exc()
                 code = code or 1
         saved.restore()
-        done = POOL / f"done-{case}-{RANK}.json"
         release_destroyed_groups()  # after the restore, which drops Accelerate's hold on the case's groups
+        done = POOL / f"done-{case}-{RANK}.json"
         done.with_suffix(".tmp").write_text(json.dumps({"rc": code, "threads": thread_count()}))
         done.with_suffix(".tmp").rename(done)
         if code != 0:  # the test side restarts the pool: whatever the case left behind goes with it

@@ -170,21 +170,18 @@ def expert_shard_placement(experts: nn.Module, expert_mesh: DeviceMesh) -> Calla
     return lambda param: Shard(1) if param.ndim >= 2 else Shard(0)
 
 
-def set_explicit_prefetch(chain: list[nn.Module]) -> None:
-    """Prefetch along `chain` (FSDP units in forward order, root first): a unit's pre-forward issues the
-    all-gather of the next one, its pre-backward that of the previous one, so each gather can run while a
-    unit computes. FSDP2 on its own gathers a unit only when it is reached in forward; in backward it
-    prefetches one unit ahead already. A unit nested in another is left out (it is gathered with its parent's
-    forward anyway), as is a pair that is not in forward order (which the units' post-order guarantees for
-    stacked layers)."""
-    units = [unit for unit in chain if isinstance(unit, FSDPModule)]
-    units = [unit for unit in units if unit is chain[0] or
-             not any(other is not unit and other is not chain[0] and any(m is unit for m in other.modules())
-                     for other in units)]
-    for current, following in zip(units, units[1:], strict=False):
+def set_explicit_prefetch(root: FSDPModule, units: list[FSDPModule]) -> None:
+    """Prefetch along root -> `units` (sharded, in forward order: the post-order of stacked layers): a unit's
+    pre-forward issues the all-gather of the next one, its pre-backward that of the previous one, so each gather
+    can run while a unit computes. FSDP2 on its own gathers a unit only when it is reached in forward; in backward
+    it prefetches one unit ahead already. A unit nested in another is left out (its parent's forward gathers it),
+    and nothing prefetches the root in backward (it stays gathered from forward to backward)."""
+    nested = {id(m) for unit in units for m in unit.modules() if m is not unit}
+    chain = [root, *(unit for unit in units if id(unit) not in nested)]
+    for current, following in zip(chain, chain[1:], strict=False):
         current.set_modules_to_forward_prefetch([following])
-        if current is not chain[0]:
-            following.set_modules_to_backward_prefetch([current])
+    for current, previous in zip(chain[2:], chain[1:], strict=False):
+        current.set_modules_to_backward_prefetch([previous])
 
 
 def apply_fsdp(
@@ -274,7 +271,7 @@ def apply_fsdp(
     # (Passing reshard_after_forward=True here would free and all-gather the embedding again every step.)
     fully_shard(model, **common)
     if config.forward_prefetch:
-        set_explicit_prefetch([model, *units, *head[:1]])  # a head of norm + lm_head is one unit (one state)
+        set_explicit_prefetch(model, [*units, *head[:1]])  # a head of norm + lm_head is one unit (one state)
 
     if dist.get_backend() == "gloo":
         # gloo has no AVG/PREMUL_SUM: reduce with SUM and divide afterwards; and its reduce-scatter is 2-3x slower
