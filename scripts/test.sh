@@ -11,4 +11,11 @@ SITE="$(mktemp -d)"
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$SITE"
 rm -rf "$SITE"
 export OMP_NUM_THREADS=1 SHARDTRAIN_CPU=1
-exec .venv/bin/python -m pytest -q --durations=30 "$@"  # the 30 slowest, for whoever next cuts the time
+# Two workers (pytest-xdist), each taking whole files (a file's module fixtures run once) in tests/conftest.py's
+# order, slowest first: the suite is CPU-bound, and two keep this 2-core machine's cores busy where one left
+# a third of the time idle (ranks waiting on each other, one-process references, sleeps). SHARDTRAIN_TEST_WORKERS=0
+# runs everything in this process.
+WORKERS="${SHARDTRAIN_TEST_WORKERS:-2}"
+XDIST=()
+[[ "$WORKERS" != 0 ]] && XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+exec .venv/bin/python -m pytest -q --durations=30 ${XDIST[@]+"${XDIST[@]}"} "$@"  # the 30 slowest, for whoever next cuts the time

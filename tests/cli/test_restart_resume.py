@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from conftest import SCRIPTS, explain, launch_ok
+from conftest import SCRIPTS, explain, launch_ok, launch_pooled
 from safetensors.torch import load_file
 
 SCRIPT = SCRIPTS / "train_restart.py"
@@ -45,8 +45,8 @@ def references(tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
     home = root / "home"
     out = {}
-    for kind in TYPES:
-        _launch(home, root / kind, kind, restarts=0)
+    for kind in TYPES:  # uninterrupted: the launch is not under test here, so the session's rank pool runs it
+        launch_pooled(home, "--cpu", "--num_processes", 2, SCRIPT, root / kind, kind)
         out[kind] = load_file(root / kind / "final" / "model.safetensors")
     return out
 

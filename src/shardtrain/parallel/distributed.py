@@ -246,7 +246,7 @@ def _release_parked() -> None:
 
 
 def release_destroyed_groups() -> None:
-    """In a process that goes on after `destroy_distributed()`: free what its groups left, once they are garbage.
+    """In a process that goes on after `destroy_distributed()`: free the parked Works once no gloo thread runs.
 
     A parked barrier Work holds its group's gloo context, and with it a `gloo_tcp_loop` thread; it stays
     parked when the destroy ran while something (a Trainer, Accelerate's state) still referenced the groups.
@@ -254,7 +254,12 @@ def release_destroyed_groups() -> None:
     """
     if _parked and not dist.is_initialized():
         gc.collect()
-        _release_parked()
+        # Between scripts every collective has completed, so a Work can go while gloo threads still exist, as
+        # long as none is running (at exit, `_release_parked` waits for none to be left at all). A group still
+        # referenced elsewhere keeps its own threads; a parked Work no longer keeps its context's.
+        states = _gloo_thread_states()
+        if states is not None and all(state == "S" for state in states):
+            _parked.clear()
 
 
 def _exit_rendezvous(timeout_s: float) -> bool:
