@@ -42,6 +42,7 @@ class RankPool:
         self.proc: subprocess.Popen | None = None
         self.dir: Path | None = None
         self.case = 0
+        self.stopped_because = "first case"
 
     def _command(self) -> list[str]:
         if self.nproc == 1:
@@ -49,7 +50,8 @@ class RankPool:
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}", str(SERVER),
                 str(self.dir)]
 
-    def _start(self) -> None:
+    def _start(self, why: str) -> None:
+        _record_start(self.nproc, why)
         self.dir = Path(tempfile.mkdtemp(prefix=f"shardtrain-rank-pool-{self.nproc}-"))
         with open(self.dir / "pool.log", "wb") as log:
             self.proc = subprocess.Popen(self._command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
@@ -93,8 +95,9 @@ class RankPool:
         have returned."""
         starting = self.proc is None or self.proc.poll() is not None
         if starting:
+            why = self.stopped_because
             self.stop()
-            self._start()
+            self._start(why)
         case = self.case
         self._write_job({"script": str(script), "args": [str(a) for a in args], "env": env,
                          "cwd": str(cwd) if cwd is not None else None})
@@ -111,6 +114,7 @@ class RankPool:
             if time.monotonic() > deadline:
                 out, err = self._outputs(case)
                 self.stop()
+                self.stopped_because = f"time-out: {script}"
                 raise subprocess.TimeoutExpired(f"rank pool case {script}", timeout, out, err)
             time.sleep(0.02)
         out, err = self._outputs(case)
@@ -119,11 +123,14 @@ class RankPool:
             pool_log = (self.dir / "pool.log").read_text(errors="replace")
             err += f"\n[rank pool: exit codes {codes}; the pool's own log ends:]\n{pool_log[-4000:]}"
             self.stop()
+            self.stopped_because = f"case failed: {script}"
             return subprocess.CompletedProcess(["rank-pool", str(script), *args], failed[0] if failed else 1,
                                                out, err)
         self.case += 1
-        if max(self._done(case, rank).get("threads", 0) for rank in range(self.nproc)) > MAX_THREADS:
+        threads = max(self._done(case, rank).get("threads", 0) for rank in range(self.nproc))
+        if threads > MAX_THREADS:
             self.stop()
+            self.stopped_because = f"{threads} threads after {script}"
         return subprocess.CompletedProcess(["rank-pool", str(script), *args], 0, out, err)
 
     def _done(self, case: int, rank: int) -> dict:
@@ -132,6 +139,14 @@ class RankPool:
 
     def _code(self, case: int, rank: int) -> int | None:
         return self._done(case, rank).get("rc")
+
+
+def _record_start(nproc: int, why: str) -> None:
+    """A pool (re)start costs every rank's imports again: SHARDTRAIN_TEST_TIMES's file says when and why."""
+    if times := os.environ.get("SHARDTRAIN_TEST_TIMES"):
+        with open(times, "a") as out:
+            out.write(f"pool-start\t0\t0\t{nproc} ranks: {why}\t{os.environ.get('PYTEST_CURRENT_TEST', '-')}\t"
+                      f"{os.environ.get('PYTEST_XDIST_WORKER', '-')}\t{time.time():.0f}\n")
 
 
 _pools: dict[int, RankPool] = {}

@@ -34,8 +34,8 @@ import torch.distributed as dist  # noqa: E402
 
 
 class ReleasesGilDuringFinalization:
-    def __del__(self):
-        time.sleep(0.3)
+    def __del__(self, sleep=time.sleep):  # bound now: the module's `time` may be None by the time this runs
+        sleep(0.3)
 
 
 def main(mode):
@@ -47,11 +47,21 @@ def main(mode):
         init_distributed()
     rank = dist.get_rank()
     group = dist.distributed_c10d._get_default_group()
+    store = dist.distributed_c10d._get_default_store()
     gc.disable()
     holder = [group]
     holder.append(holder)  # a reference cycle keeps the group alive until a collection, as FSDP states do
+    at_exit = mode in ("torch", "none")  # the destroy modes wait for rank 1 in the script itself
+    if rank == 0 and at_exit:
+        atexit.register(store.set, "rank0_exiting", "1")  # runs first at exit, just before the 3-s GIL hold
     if rank == 1:
-        time.sleep(1.0)  # rank 0's all-reduce is still running when it calls barrier()
+        # rank 0's all-reduce is still running when it calls barrier(); when rank 0 is exiting, its barrier
+        # completes inside the GIL hold (waiting for a signal, not a fixed time: a busy machine delays either)
+        if at_exit:
+            store.wait(["rank0_exiting"])
+            time.sleep(0.5)
+        else:
+            time.sleep(1.0)
     tensor = torch.ones(1 << 16)
     work = group.allreduce([tensor])
     barrier = group.barrier()  # weakly references `work`: destroying the barrier frees `tensor` (takes the GIL)

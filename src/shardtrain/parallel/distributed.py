@@ -239,9 +239,13 @@ def _wait_for_idle_gloo_threads(max_s: float) -> None:
         time.sleep(0.01)
 
 
-def _release_parked() -> None:
-    """Drop the parked Works once no gloo worker thread is left (they were joined, so none can race us)."""
-    if _parked and _gloo_thread_states() == []:
+def _release_parked(*, between_scripts: bool = False) -> None:
+    """Drop the parked Works once no gloo worker thread can race us: none is left (they were joined), or, between
+    scripts (`between_scripts`), where every collective has completed, none is running."""
+    if not _parked:
+        return
+    states = _gloo_thread_states()
+    if states == [] or (between_scripts and states is not None and all(state == "S" for state in states)):
         _parked.clear()
 
 
@@ -250,16 +254,12 @@ def release_destroyed_groups() -> None:
 
     A parked barrier Work holds its group's gloo context, and with it a `gloo_tcp_loop` thread; it stays
     parked when the destroy ran while something (a Trainer, Accelerate's state) still referenced the groups.
+    A group still referenced elsewhere keeps its own threads; a parked Work no longer keeps its context's.
     The test suite's rank pool calls this between the scripts it runs.
     """
     if _parked and not dist.is_initialized():
         gc.collect()
-        # Between scripts every collective has completed, so a Work can go while gloo threads still exist, as
-        # long as none is running (at exit, `_release_parked` waits for none to be left at all). A group still
-        # referenced elsewhere keeps its own threads; a parked Work no longer keeps its context's.
-        states = _gloo_thread_states()
-        if states is not None and all(state == "S" for state in states):
-            _parked.clear()
+        _release_parked(between_scripts=True)
 
 
 def _exit_rendezvous(timeout_s: float) -> bool:
