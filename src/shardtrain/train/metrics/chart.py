@@ -50,16 +50,19 @@ def draw_report(metrics_file: str | Path, out: str | Path) -> Path:
         ImportError: matplotlib is not installed (the message says how to install it).
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # the object API, not pyplot: no global figure state, and no pyplot import (library code, rank 0 only)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError("drawing report.png needs matplotlib: pip install 'shardtrain[report]'") from err
     entries = read_metrics(metrics_file)
     data = panel_series(entries)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    (loss, lr), (grad, speed) = axes
+    # Fixed margins, not constrained_layout: the layout engine measured every tick label twice and took half of
+    # the ~0.5 CPU-s a drawing cost, paid at the end of every run
+    fig = Figure(figsize=(11, 7))
+    FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=0.07, right=0.93, bottom=0.08, top=0.95, wspace=0.3, hspace=0.35)
+    (loss, lr), (grad, speed) = fig.subplots(2, 2)
     loss.plot(*data["loss"]["train loss"], label="train loss")
     loss.plot(*data["loss"]["eval loss"], "o-", label="eval loss")
     loss.set_title("loss")
@@ -81,7 +84,6 @@ def draw_report(metrics_file: str | Path, out: str | Path) -> Path:
         ax.set_xlabel("step")
     out = Path(out)
     fig.savefig(out, dpi=80)
-    plt.close(fig)
     return out
 
 
