@@ -46,7 +46,9 @@ def folder(tmp_path_factory) -> Path:
     (where / "out" / "checkpoint-2").rename(where / "out" / "checkpoint-1000")
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+    # a 4-layer Llama with the real vocabulary: the subject is that the command runs as written (a 1.1B config took
+    # ~50 CPU-s to plan here; the planner's own figures are tests/plan's)
+    LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                 num_key_value_heads=4).to_json_file(where / "config.json")
     return where
 
@@ -98,7 +100,7 @@ def test_the_launch_lines_give_torchrun_what_they_say(folder, tmp_path):
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     from transformers import LlamaConfig
 
-    # a small model: the subject is the closed pipe, not the plan (the README's config takes ~40 s to plan here)
+    # a small model: the subject is the closed pipe, not the plan
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256).to_json_file(tmp_path / "config.json")
     proc = subprocess.Popen([sys.executable, "-m", "shardtrain.cli.main", "plan", "config.json", "--json"],

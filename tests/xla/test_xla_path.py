@@ -55,12 +55,20 @@ def _run(cmd: list, devices: int, check: bool = True) -> subprocess.CompletedPro
     return proc
 
 
-def _worker(python: Path, processes_devices: int, **spec) -> dict:
-    proc = _run([python, WORKER, json.dumps(spec)], processes_devices)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
+def _result(result: dict) -> dict:
     result["losses"] = {int(k): v for k, v in result["losses"].items()}
     return result
+
+
+def _worker(python: Path, processes_devices: int, **spec) -> dict:
+    return _workers(python, processes_devices, [spec])[0]
+
+
+def _workers(python: Path, processes_devices: int, specs: list[dict]) -> list[dict]:
+    """Runs that do not depend on each other, one after the other in one process."""
+    proc = _run([python, WORKER, json.dumps(specs)], processes_devices)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return [_result(result) for result in json.loads(line[len("RESULT "):])]
 
 
 @pytest.fixture(scope="module")
@@ -69,32 +77,30 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("xla")
     full, sharded = {}, {"state_dict_type": "SHARDED_STATE_DICT"}
     common = {"steps": STEPS, "batch": 2, "devices": DEVICES, "save_steps": 5}
-    out: dict = {"root": root}
-    out["eager"] = _worker(python, 1, mode="eager", out=str(root / "eager"), **common)
-    out["spmd"] = _worker(python, DEVICES, mode="spmd", out=str(root / "spmd"), save_model=str(root / "spmd-model"),
-                          fsdp_config=full, **common)
-    out["spmd_resumed"] = _worker(python, DEVICES, mode="spmd", out=str(root / "spmd-resumed"), fsdp_config=full,
-                                  resume=str(root / "spmd" / "checkpoint-5"),
-                                  save_model=str(root / "spmd-resumed-model"), **common)
     ckpt = {"xla_fsdp_grad_ckpt": True, **sharded}
-    out["ckpt"] = _worker(python, DEVICES, mode="spmd", out=str(root / "ckpt"), save_model=str(root / "ckpt-model"),
-                          fsdp_config=ckpt, **common)
-    out["ckpt_resumed"] = _worker(python, DEVICES, mode="spmd", out=str(root / "ckpt-resumed"), fsdp_config=ckpt,
-                                  resume=str(root / "ckpt" / "checkpoint-5"),
-                                  save_model=str(root / "ckpt-resumed-model"), **common)
     # dropout, padding, tied embeddings and 2 micro-batches per step: resume must still be exact
     gpt2 = {"model": "gpt2", "steps": 8, "batch": 2, "devices": DEVICES, "save_steps": 4, "accumulation": 2}
-    out["gpt2"] = _worker(python, DEVICES, mode="spmd", out=str(root / "gpt2"), save_model=str(root / "gpt2-model"),
-                          **gpt2)
-    out["gpt2_resumed"] = _worker(python, DEVICES, mode="spmd", out=str(root / "gpt2-resumed"),
-                                  resume=str(root / "gpt2" / "checkpoint-4"),
-                                  save_model=str(root / "gpt2-resumed-model"), **gpt2)
     v1 = {"steps": 2, "batch": 2 * DEVICES, "save_steps": 2}  # one device, the same global batch as the reference
-    out["v1_layers"] = _worker(python, 1, mode="v1", out=str(root / "v1-layers"), fsdp_config={
-        "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla_fsdp_grad_ckpt": True,
-        "xla_fsdp_settings": {"compute_dtype": "float32", "flatten_parameters": True}}, **v1)
-    out["v1_size"] = _worker(python, 1, mode="v1", out=str(root / "v1-size"),
-                             fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 3000}, **v1)
+    out: dict = {"root": root}
+    out["eager"] = _worker(python, 1, mode="eager", out=str(root / "eager"), **common)
+    # the uninterrupted runs in one process, the resumed ones in another (a resume shares nothing with its run)
+    out["spmd"], out["ckpt"], out["gpt2"] = _workers(python, DEVICES, [
+        dict(mode="spmd", out=str(root / "spmd"), save_model=str(root / "spmd-model"), fsdp_config=full, **common),
+        dict(mode="spmd", out=str(root / "ckpt"), save_model=str(root / "ckpt-model"), fsdp_config=ckpt, **common),
+        dict(mode="spmd", out=str(root / "gpt2"), save_model=str(root / "gpt2-model"), **gpt2)])
+    out["spmd_resumed"], out["ckpt_resumed"], out["gpt2_resumed"] = _workers(python, DEVICES, [
+        dict(mode="spmd", out=str(root / "spmd-resumed"), fsdp_config=full, resume=str(root / "spmd" / "checkpoint-5"),
+             save_model=str(root / "spmd-resumed-model"), **common),
+        dict(mode="spmd", out=str(root / "ckpt-resumed"), fsdp_config=ckpt, resume=str(root / "ckpt" / "checkpoint-5"),
+             save_model=str(root / "ckpt-resumed-model"), **common),
+        dict(mode="spmd", out=str(root / "gpt2-resumed"), resume=str(root / "gpt2" / "checkpoint-4"),
+             save_model=str(root / "gpt2-resumed-model"), **gpt2)])
+    out["v1_layers"], out["v1_size"] = _workers(python, 1, [
+        dict(mode="v1", out=str(root / "v1-layers"), fsdp_config={
+            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "xla_fsdp_grad_ckpt": True,
+            "xla_fsdp_settings": {"compute_dtype": "float32", "flatten_parameters": True}}, **v1),
+        dict(mode="v1", out=str(root / "v1-size"),
+             fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 3000}, **v1)])
     _run([python, "-m", "shardtrain.cli.main", "merge", root / "ckpt" / "checkpoint-10", root / "ckpt-merged"], 1)
     return out
 

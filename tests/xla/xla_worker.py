@@ -1,6 +1,7 @@
-"""One training run through our Trainer as its own process, for tests/xla; prints `RESULT <json>` last.
+"""Training runs through our Trainer in a process of their own, for tests/xla; prints `RESULT <json>` last.
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/xla/xla_worker.py '{"mode": "spmd", "out": "/tmp/x", ...}'
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python tests/xla/xla_worker.py '[{"mode": "spmd", ...}, {...}]'  # in turn
 
 mode: "eager" (fsdp off, plain torch on the CPU, global batch in one process: the reference), "spmd"
 (fsdp_config xla + xla_fsdp_v2 on every XLA device), "v1" (the v1 wrapper on one XLA device). Each run is its
@@ -106,4 +107,7 @@ def describe(model: torch.nn.Module) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+    # one run, or several one after the other in this process (runs that are independent of each other: a process
+    # costs ~9 CPU-s of imports before it trains)
+    spec = json.loads(sys.argv[1])
+    print("RESULT " + json.dumps([run(one) for one in spec] if isinstance(spec, list) else run(spec)), flush=True)
