@@ -1,15 +1,18 @@
 """Profile rank 0 of the benchmark runs and summarise where a step's time goes.
 
     python benchmarks/profile_runs.py --size tiny --out-dir /tmp/bench_prof
-    python benchmarks/profile_runs.py --size 50m --steps 4 --warmup 1 --out-dir /tmp/bench_prof_50m
+    python benchmarks/profile_runs.py --size 50m --steps 4 --warmup 1 --parts split --out-dir /tmp/bench_prof_50m
 
-Five launches of `benchmarks/worker.py` on 2 gloo ranks (OMP_NUM_THREADS=1):
-  1. raw with torch.profiler: top ops by self CPU time and the collectives, in ms per step;
-  2. raw with cProfile and 3. shardtrain with cProfile (CPU time): the per-step cost of each stage of the
-     step (forward, backward, clipping, optimizer, data, logging), side by side, plus every shardtrain
-     function's own cost, so the Trainer's overhead over the raw loop can be read off;
-  4. raw and 5. shardtrain with `--profile stages`: wall, user and system CPU ms and minor page faults
-     of each stage, without a profiler's overhead (system time and page faults come from the allocator).
+Launches of `benchmarks/worker.py` on 2 gloo ranks (OMP_NUM_THREADS=1), by part (`--parts`, default all three):
+  split:    raw, shardtrain and transformers' Trainer with torch.profiler: each one's step split into compute (aten
+            kernels), collectives (c10d / gloo ops, FSDP's all-gather and reduce-scatter ranges, waits: waiting
+            included) and host (the rest of the step's wall time: Python, the dispatcher, hooks, data), in ms per
+            step and as shares; plus the raw loop's top ops;
+  cprofile: raw and shardtrain with cProfile (CPU time): the per-step cost of each stage of the step (forward,
+            backward, clipping, optimizer, data, logging), side by side, plus every shardtrain function's own cost,
+            so the Trainer's overhead over the raw loop can be read off;
+  stages:   raw and shardtrain with `--profile stages`: wall, user and system CPU ms and minor page faults of each
+            stage, without a profiler's overhead (system time and page faults come from the allocator).
 Prints one JSON object; the raw profiler outputs are kept in --out-dir.
 """
 
@@ -77,6 +80,28 @@ def torch_profile_summary(path: Path, top: int = 15) -> dict[str, Any]:
             "collectives": [row(o) for o in collectives[:12]]}
 
 
+def _is_collective(name: str) -> bool:
+    return any(word in name.lower() for word in COLLECTIVE_WORDS)
+
+
+def step_split(path: Path, step_ms: float) -> dict[str, Any]:
+    """A step's wall time (rank 0, under the profiler) in three parts, from the ops' self CPU time: compute (aten
+    kernels that are not collectives), collectives (waiting included) and host (what is left: Python, the
+    dispatcher, module hooks, data). Self times of different threads could add up past the wall time; host is
+    then 0."""
+    data = json.loads(path.read_text())
+    steps = data["steps"]
+    ops = [o for o in data["ops"] if not o["name"].startswith("ProfilerStep")]
+    comm = sum(o["self_cpu_us"] for o in ops if _is_collective(o["name"])) / 1e3 / steps
+    compute = sum(o["self_cpu_us"] for o in ops
+                  if o["name"].startswith("aten::") and not _is_collective(o["name"])) / 1e3 / steps
+    host = max(step_ms - compute - comm, 0.0)
+    return {"step_ms": round(step_ms, 2), "compute_ms": round(compute, 2), "collectives_ms": round(comm, 2),
+            "host_ms": round(host, 2),
+            "shares": {k: round(v / step_ms, 3) if step_ms else None
+                       for k, v in (("compute", compute), ("collectives", comm), ("host", host))}}
+
+
 def _match(stats: pstats.Stats, suffix: str, name: str, line: int | None) -> float:
     """Cumulative seconds of the functions matching (file suffix, name[, line]); recursion counted once."""
     total = 0.0
@@ -109,19 +134,30 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=Path("bench_profile"))
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--parts", default="split,cprofile,stages", help="which launches (see above), comma-separated")
     cli = parser.parse_args()
     cli.out_dir.mkdir(parents=True, exist_ok=True)
     common = ["--size", cli.size, "--steps", str(cli.steps), "--warmup", str(cli.warmup)]
     summary: dict[str, Any] = {"size": cli.size, "timed_steps": cli.steps, "out_dir": str(cli.out_dir)}
 
-    log(f"raw + torch.profiler ({cli.size})")
-    out = cli.out_dir / f"raw_{cli.size}_torch.json"
-    run = launch(["--mode", "raw", *common, "--profile", "torch"], 2, out, cli.timeout)
-    summary["raw_torch_profiler"] = torch_profile_summary(Path(f"{out}.profile.json")) if "timing" in run \
-        else {"error": run.get("error"), "stderr_tail": run.get("stderr_tail")}
-    summary["raw_torch_profiler_step_ms"] = round(run.get("timing", {}).get("step_time_s_median", 0) * 1e3, 2)
+    parts = set(cli.parts.split(","))
+    splits: dict[str, Any] = {}
+    for mode in ("raw", "shardtrain", "hf") if "split" in parts else ():
+        log(f"{mode} + torch.profiler ({cli.size})")
+        out = cli.out_dir / f"{mode}_{cli.size}_torch.json"
+        run = launch(["--mode", mode, *common, "--profile", "torch"], 2, out, cli.timeout)
+        if "timing" not in run:
+            splits[mode] = {"error": run.get("error"), "stderr_tail": run.get("stderr_tail")}
+            continue
+        step_ms = run["timing"]["step_time_s_median"] * 1e3
+        if mode == "raw":
+            summary["raw_torch_profiler"] = torch_profile_summary(Path(f"{out}.profile.json"))
+            summary["raw_torch_profiler_step_ms"] = round(step_ms, 2)
+        splits[mode] = step_split(Path(f"{out}.profile.json"), step_ms)
+    if splits:
+        summary["step_split"] = splits
 
-    for mode in ("raw", "shardtrain"):
+    for mode in ("raw", "shardtrain") if "cprofile" in parts else ():
         log(f"{mode} + cProfile ({cli.size})")
         out = cli.out_dir / f"{mode}_{cli.size}_cprofile.json"
         run = launch(["--mode", mode, *common, "--profile", "cprofile"], 2, out, cli.timeout)
@@ -132,7 +168,7 @@ def main() -> None:
             "wall_step_ms_median_under_profiler": round(run["timing"]["step_time_s_median"] * 1e3, 2),
             **cprofile_summary(Path(f"{out}.pstats"), cli.steps)}
     stages: dict[str, Any] = {}
-    for mode in ("raw", "shardtrain"):
+    for mode in ("raw", "shardtrain") if "stages" in parts else ():
         log(f"{mode} + per-stage rusage ({cli.size})")
         out = cli.out_dir / f"{mode}_{cli.size}_stages.json"
         run = launch(["--mode", mode, *common, "--profile", "stages"], 2, out, cli.timeout)
@@ -142,7 +178,8 @@ def main() -> None:
                             **json.loads(Path(f"{out}.stages.json").read_text())["stages"]}
         else:
             stages[mode] = {"error": run.get("error"), "stderr_tail": run.get("stderr_tail")}
-    summary["stages_rank0_per_step"] = stages
+    if stages:
+        summary["stages_rank0_per_step"] = stages
     if "raw_cprofile" in summary and "shardtrain_cprofile" in summary and \
             "stages_cumulative_cpu_ms_per_step" in summary["shardtrain_cprofile"]:
         raw_stages = summary["raw_cprofile"]["stages_cumulative_cpu_ms_per_step"]

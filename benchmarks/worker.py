@@ -9,8 +9,8 @@
     #                                 --submeshes 1,2,4 on 4 ranks measures N = 1, 2, 4 in one launch)
     OMP_NUM_THREADS=1 python benchmarks/worker.py --mode single --sizes tiny,50m --steps 10 --warmup 2 \\
         --out /tmp/single.json       # one process, no FSDP, per-rank batch: the compute lower bound
-    # --profile torch    (raw: torch.profiler key_averages of rank 0 -> <out>.profile.txt)
-    # --profile cprofile (shardtrain / raw: cProfile of rank 0's timed steps -> <out>.cprofile.txt, .pstats)
+    # --profile torch    (raw / shardtrain / hf: torch.profiler key_averages of rank 0 -> <out>.profile.txt)
+    # --profile cprofile (raw / shardtrain / hf: cProfile of rank 0's timed steps -> <out>.cprofile.txt, .pstats)
     # --profile stages   (raw / shardtrain: wall, user, sys ms and page faults per stage -> <out>.stages.json)
 
 Rank 0 writes one JSON object to --out.
@@ -276,7 +276,7 @@ def run_hf(cli: argparse.Namespace, spec: SizeSpec) -> None:
     total = cli.warmup + cli.steps
     samples = data_for_run(spec, world, total)
     baseline = MemoryBaseline()
-    timer = StepTimer()
+    timer, prof = StepTimer(), Profiler(cli.profile, cli.out, rank, cli.steps)
     holder: dict[str, Any] = {"grad_bytes": 0}
 
     class Timing(HFCallback):
@@ -289,6 +289,11 @@ def run_hf(cli: argparse.Namespace, spec: SizeSpec) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
             timer.mark()
+            if state.global_step == cli.warmup:
+                prof.start()
+
+        def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201, D102
+            prof.stop()
 
     result: dict[str, Any] = {"mode": "hf", "size": spec.name, "world_size": world,
                               "transformers_version": transformers.__version__,

@@ -60,7 +60,8 @@ def test_the_readme_launch_block_is_what_this_test_runs():
 
 
 def test_config_plan_merge_and_verify_run_as_written(folder, tmp_path):
-    env = worker_env(SHARDTRAIN_HOME=str(tmp_path / "home"))
+    env = worker_env(SHARDTRAIN_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     done = {}
     for argv in readme_commands():
         if argv[1] in ("config", "plan", "merge", "verify"):
@@ -72,6 +73,7 @@ def test_config_plan_merge_and_verify_run_as_written(folder, tmp_path):
 
     assert LlamaForCausalLM.from_pretrained(folder / "out" / "merged").config.num_hidden_layers == 2
     assert "verdict: same run" in done["verify"].stdout + done["verify"].stderr
+    assert list((tmp_path / "tmp").glob("shardtrain-verify-*")) == []  # without --keep its runs are removed
 
 
 def test_the_launch_lines_give_torchrun_what_they_say(folder, tmp_path):

@@ -146,11 +146,18 @@ def run_verify(args: argparse.Namespace) -> int:
     if not accumulation or min(accumulation) < 1:
         raise LaunchConfigError(f"--accumulation {args.accumulation!r}: give steps >= 1, e.g. 1,2")
     layouts = parse_layouts(args.layouts, accumulation)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="shardtrain-verify-"))
+    if args.keep:
+        return _verify(args, layouts, Path(args.keep), kept=True)
+    # without --keep the runs' dumps (every run's final weights among them) go when verify ends, however it ends
+    with tempfile.TemporaryDirectory(prefix="shardtrain-verify-") as work:
+        return _verify(args, layouts, Path(work), kept=False)
+
+
+def _verify(args: argparse.Namespace, layouts: list[VerifyLayout], work: Path, kept: bool) -> int:
     script_args = list(args.script_args)
     one = VerifyLayout(name="1 process", sizes={"dp": 1}, accumulation=1)
-    print(f"shardtrain verify: {args.script}, {args.steps} steps, tolerance {args.tolerance:g}; runs in {work}",
-          flush=True)
+    where = f"runs in {work}" if kept else "runs in a temporary directory (--keep DIR keeps them)"
+    print(f"shardtrain verify: {args.script}, {args.steps} steps, tolerance {args.tolerance:g}; {where}", flush=True)
     request = {"dump": str(work / "reference"), "max_steps": args.steps}
     _launch(args.script, script_args, one, request, args.cpu)
     reference = _read(work / "reference")
@@ -205,7 +212,8 @@ def add_verify_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default 5)")
     p.add_argument("--tolerance", type=float, default=1e-5, help="largest difference allowed (default 1e-5)")
     p.add_argument("--cpu", action="store_true", help="run every layout on CPU (gloo)")
-    p.add_argument("--keep", help="directory for the runs' figures (default: a new temporary directory)")
+    p.add_argument("--keep", help="directory for the runs' figures, kept (default: a temporary directory, removed "
+                                  "at the end)")
     p.add_argument("script", help="your training script (.py), run through its own Trainer")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run_verify)
