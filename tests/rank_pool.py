@@ -50,16 +50,17 @@ class RankPool:
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.nproc}", str(SERVER),
                 str(self.dir)]
 
-    def _start(self, why: str) -> None:
-        _record_start(self.nproc, why)
+    def _start(self) -> None:
+        _record_start(self.nproc, self.stopped_because)
         self.dir = Path(tempfile.mkdtemp(prefix=f"shardtrain-rank-pool-{self.nproc}-"))
         with open(self.dir / "pool.log", "wb") as log:
             self.proc = subprocess.Popen(self._command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.case = 0
 
-    def stop(self) -> None:
-        """End the pool: ask its ranks to leave, and kill what is left."""
+    def stop(self, because: str = "stopped") -> None:
+        """End the pool: ask its ranks to leave, and kill what is left (`because`: what its next start records)."""
+        self.stopped_because = because
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -95,9 +96,9 @@ class RankPool:
         have returned."""
         starting = self.proc is None or self.proc.poll() is not None
         if starting:
-            why = self.stopped_because
-            self.stop()
-            self._start(why)
+            if self.proc is not None:
+                self.stop(because="its processes ended by themselves")
+            self._start()
         case = self.case
         self._write_job({"script": str(script), "args": [str(a) for a in args], "env": env,
                          "cwd": str(cwd) if cwd is not None else None})
@@ -113,8 +114,7 @@ class RankPool:
                 break
             if time.monotonic() > deadline:
                 out, err = self._outputs(case)
-                self.stop()
-                self.stopped_because = f"time-out: {script}"
+                self.stop(because=f"time-out: {script}")
                 raise subprocess.TimeoutExpired(f"rank pool case {script}", timeout, out, err)
             time.sleep(0.02)
         out, err = self._outputs(case)
@@ -122,15 +122,13 @@ class RankPool:
         if failed or None in codes:
             pool_log = (self.dir / "pool.log").read_text(errors="replace")
             err += f"\n[rank pool: exit codes {codes}; the pool's own log ends:]\n{pool_log[-4000:]}"
-            self.stop()
-            self.stopped_because = f"case failed: {script}"
+            self.stop(because=f"case failed: {script}")
             return subprocess.CompletedProcess(["rank-pool", str(script), *args], failed[0] if failed else 1,
                                                out, err)
         self.case += 1
         threads = max(self._done(case, rank).get("threads", 0) for rank in range(self.nproc))
         if threads > MAX_THREADS:
-            self.stop()
-            self.stopped_because = f"{threads} threads after {script}"
+            self.stop(because=f"{threads} threads after {script}")
         return subprocess.CompletedProcess(["rank-pool", str(script), *args], 0, out, err)
 
     def _done(self, case: int, rank: int) -> dict:
