@@ -1,6 +1,6 @@
 """Side-by-side training benchmark: raw `fully_shard` loop vs shardtrain `Trainer` vs Hugging Face `Trainer`.
 
-    python benchmarks/compare.py --out results.json            # full run (~10-15 min on 2 CPU cores)
+    python benchmarks/compare.py --out results.json            # full run (~25 min on 2 CPU cores)
     python benchmarks/compare.py --quick --out results.json    # short run (~4 min)
     python benchmarks/compare.py --sizes tiny --repeats 1 --out tiny.json --markdown table.md
 
@@ -31,7 +31,9 @@ import psutil
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = HERE / "worker.py"
-MODES = ("raw", "shardtrain", "hf")
+# shardtrain_no_shard: plain data parallel (as transformers' DDP); shardtrain_auto: fsdp_config "layout": "auto"
+# with the default budget (this machine's memory / 2: every layout fits)
+MODES = ("raw", "shardtrain", "shardtrain_no_shard", "shardtrain_auto", "hf")
 
 # (timed steps, warm-up steps) per size
 FULL_STEPS = {"tiny": (40, 5), "50m": (10, 2)}
@@ -229,7 +231,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved launches per mode (full: 3, quick: 1)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of raw, shardtrain, hf, raw_head (raw + shardtrain's norm/lm_head unit), "
-                             "shardtrain_glibc_malloc, shardtrain_no_shard, shardtrain_compile, "
+                             "shardtrain_glibc_malloc, shardtrain_no_shard, shardtrain_auto, shardtrain_compile, "
+                             "shardtrain_shard_grad_op, shardtrain_no_shard_one_unit, "
                              "shardtrain_gloo_reduce_scatter, shardtrain_thread_arenas, shardtrain_forward_prefetch")
     parser.add_argument("--no-state", action="store_true", help="skip the model-state bytes at N = 1, 2, 4")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the results as markdown tables")
@@ -301,7 +304,8 @@ def main() -> None:
                      ("shardtrain", "shardtrain_glibc_malloc"), ("shardtrain_no_shard", "hf"),
                      ("shardtrain_compile", "shardtrain"), ("shardtrain", "shardtrain_gloo_reduce_scatter"),
                      ("shardtrain", "shardtrain_thread_arenas"), ("shardtrain_forward_prefetch", "shardtrain"),
-                     ("shardtrain_forward_prefetch", "hf")]
+                     ("shardtrain_forward_prefetch", "hf"), ("shardtrain_auto", "hf"),
+                     ("shardtrain_auto", "shardtrain")]
             size_result["ratios"] = {f"{a}/{b}": ratio(size_result[a], size_result[b]) for a, b in pairs
                                      if a in size_result and b in size_result}
             bound = size_result["single_process_lower_bound"].get("step_time_s_median")

@@ -135,6 +135,8 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("bench_profile"))
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--parts", default="split,cprofile,stages", help="which launches (see above), comma-separated")
+    parser.add_argument("--split-modes", default="raw,shardtrain,hf",
+                        help="the worker modes the step split profiles (e.g. shardtrain,shardtrain_auto,hf)")
     cli = parser.parse_args()
     cli.out_dir.mkdir(parents=True, exist_ok=True)
     common = ["--size", cli.size, "--steps", str(cli.steps), "--warmup", str(cli.warmup)]
@@ -142,7 +144,7 @@ def main() -> None:
 
     parts = set(cli.parts.split(","))
     splits: dict[str, Any] = {}
-    for mode in ("raw", "shardtrain", "hf") if "split" in parts else ():
+    for mode in cli.split_modes.split(",") if "split" in parts else ():
         log(f"{mode} + torch.profiler ({cli.size})")
         out = cli.out_dir / f"{mode}_{cli.size}_torch.json"
         run = launch(["--mode", mode, *common, "--profile", "torch"], 2, out, cli.timeout)

@@ -159,6 +159,12 @@ SHARDTRAIN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, s
     "shardtrain": ({}, {}, {}),
     "shardtrain_glibc_malloc": ({}, {}, {"SHARDTRAIN_CPU_ALLOCATOR": "default"}),  # glibc's own malloc settings
     "shardtrain_no_shard": ({"sharding_strategy": "NO_SHARD"}, {}, {}),  # DDP-equivalent: replicate, all-reduce
+    "shardtrain_shard_grad_op": ({"reshard_after_forward": False}, {}, {}),  # units stay gathered until backward
+    # plain data parallel with the whole model as one unit: one all-reduce per step (as DDP's buckets)
+    "shardtrain_no_shard_one_unit": ({"sharding_strategy": "NO_SHARD", "auto_wrap_policy": "NO_WRAP"}, {}, {}),
+    # the planner picks the layout (fastest predicted that fits; the budget: --fsdp-json max_memory_per_rank or
+    # this machine's memory / ranks); it traces before the process group starts, so the Trainer starts it
+    "shardtrain_auto": ({"layout": "auto"}, {}, {}),
     "shardtrain_compile": ({}, {"torch_compile": True}, {}),  # each FSDP unit compiled (inductor) before sharding
     # explicit prefetch: each unit's all-gather issued one unit ahead in forward and backward
     "shardtrain_forward_prefetch": ({"forward_prefetch": True}, {}, {}),
@@ -187,9 +193,11 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
     os.environ.update(environment)
     if cli.mode == "shardtrain_thread_arenas":
         _thresholds_only()
-    init_distributed()
-    allocator = tune_cpu_allocator()  # what init_distributed set (None: glibc's own, or the user's settings)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    config_overrides = {**config_overrides, **json.loads(cli.fsdp_json)}
+    auto = config_overrides.get("layout") == "auto"
+    if not auto:
+        init_distributed()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     total = cli.warmup + cli.steps
     samples = data_for_run(spec, world, total)
     baseline = MemoryBaseline()
@@ -220,9 +228,13 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
             report_to="none", disable_tqdm=True, fsdp=True,
             optim="adamw_torch_fused" if FUSED_ADAMW else "adamw_torch", **arg_overrides,
             fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [LAYER_CLASS],
-                         "reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT", **config_overrides})
+                         **({} if auto else {"reshard_after_forward": True}),  # auto: the sharding is its choice
+                         "state_dict_type": "FULL_STATE_DICT", **config_overrides})
         trainer = Trainer(build_model(spec), args, train_dataset=samples, callbacks=[Timing()])
         holder["trainer"] = trainer
+        allocator = tune_cpu_allocator()  # what init_distributed set (None: glibc's own, or the user's settings)
+        auto_layout = getattr(trainer, "auto_layout", None)  # absent in commits before "auto" (compare_commits.py)
+        choice = auto_layout.choice if auto_layout is not None else None
         if stage.enabled:
             _meter_trainer(stage, trainer, total)
         output = trainer.train()
@@ -236,7 +248,9 @@ def run_shardtrain(cli: argparse.Namespace, spec: SizeSpec) -> None:
               "timing": summarize_steps(timer.durations(), timer.cpu_durations(), cli.warmup, tokens),
               "rusage_per_step_rank0": timer.usage_per_step(cli.warmup),
               "global_steps": state.global_step, "mean_loss": output.training_loss,
-              "sharding": sharding_facts(trainer.model)}
+              "sharding": sharding_facts(trainer.model), "fsdp_overrides": config_overrides,
+              "shardtrain_package": str(Path(sys.modules["shardtrain"].__file__).parent),
+              "layout_choice": choice.to_dict() if choice is not None else None}
     per_rank = {"param_bytes": param_bytes(trainer.model), "grad_bytes": holder["grad_bytes"],
                 "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizer),
                 "sharding": sharding_facts(trainer.model)}
@@ -457,6 +471,7 @@ def main() -> None:
     parser.add_argument("--submeshes", default=None,
                         help="state: comma list of N; measure each on sub-meshes of N ranks of this world")
     parser.add_argument("--profile", default="none", choices=["none", "torch", "cprofile", "stages"])
+    parser.add_argument("--fsdp-json", default="{}", help="shardtrain modes: fsdp_config keys on top of the mode's")
     parser.add_argument("--out", type=Path, required=True)
     cli = parser.parse_args()
     cli.head_unit = cli.mode == "raw_head"

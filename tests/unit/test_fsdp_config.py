@@ -138,3 +138,22 @@ def test_bad_xla_settings_name_the_key(settings, v2, message):
 
     with pytest.raises(FSDPConfigError, match=message):
         xla_settings(FSDPConfig.load({"xla": True, "xla_fsdp_v2": v2, "xla_fsdp_settings": settings}))
+
+
+def test_layout_keys():
+    config = FSDPConfig.load({"layout": "AUTO", "max_memory_per_rank": "2GiB", "activation_checkpointing": True})
+    assert (config.layout, config.max_memory_per_rank) == ("auto", 2 * 2**30)
+    assert config.given == {"layout", "max_memory_per_rank", "activation_checkpointing"}
+    assert FSDPConfig.load(config.to_dict()).max_memory_per_rank == 2 * 2**30  # the saved form loads again
+    assert FSDPConfig.load({"layout": "manual"}).layout is None
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"layout": "fastest"}, "'layout' got 'fastest'; allowed values: \"auto\""),
+    ({"max_memory_per_rank": "8GiB"}, "'max_memory_per_rank' without 'layout': \"auto\""),
+    ({"layout": "auto", "max_memory_per_rank": "lots"}, "max_memory_per_rank' = 'lots' is not a memory size"),
+    ({"layout": "auto", "xla": True}, "'layout': \"auto\" with 'xla': true"),
+])
+def test_layout_errors(raw, message):
+    with pytest.raises(FSDPConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        FSDPConfig.load(raw)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardtrain.config.values import as_bytes
 from shardtrain.errors import FSDPConfigError
 
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -125,7 +126,9 @@ class FSDPConfig:
     `sharding_strategy`: `replicate_only` (no_shard) and `hybrid` (2-D mesh: replicate x shard).
     `activation_checkpointing` is False, True (full) or "selective" (per-op; see `ac_mode`). `forward_prefetch`
     (FSDP1's name, FSDP2's explicit prefetch): each unit starts the all-gather of the next one before its own
-    forward, and of the previous one before its own backward.
+    forward, and of the previous one before its own backward. `layout: "auto"`: the planner chooses the sharding,
+    activation checkpointing and loss chunk the user did not set (`given` holds the keys the user did set), the
+    fastest predicted that fits `max_memory_per_rank` (`shardtrain.plan.auto_layout`).
     """
 
     version: int = 2
@@ -148,6 +151,9 @@ class FSDPConfig:
     xla_fsdp_settings: dict[str, Any] = field(default_factory=dict)
     xla_fsdp_grad_ckpt: bool = False
     xla_fsdp_v2: bool = False
+    layout: str | None = None
+    max_memory_per_rank: int | None = None
+    given: frozenset[str] = field(default_factory=frozenset, repr=False, compare=False)
 
     @classmethod
     def load(cls, source: FSDPConfig | dict[str, Any] | str | os.PathLike | None) -> FSDPConfig:
@@ -182,7 +188,7 @@ class FSDPConfig:
 
     @classmethod
     def _from_dict(cls, raw: dict[str, Any]) -> FSDPConfig:
-        known = {f.name for f in dataclasses.fields(cls)} - {"replicate_only", "hybrid"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"replicate_only", "hybrid", "given"}
         values: dict[str, Any] = {}
         for key, value in raw.items():
             if not isinstance(key, str):
@@ -202,6 +208,7 @@ class FSDPConfig:
         for name, value in values.items():
             setattr(config, name, value)
         config._validate(explicit=set(values))
+        config.given = frozenset(values)
         return config
 
     def _validate(self, explicit: set[str]) -> None:
@@ -274,9 +281,29 @@ class FSDPConfig:
                                   "'xla' is false; set 'xla': true to use the TPU path")
         if self.sharding_strategy is not None:
             self.apply_sharding_strategy(self.sharding_strategy, explicit_reshard="reshard_after_forward" in explicit)
+        self._validate_layout()
         if self.activation_checkpointing and self.xla_fsdp_grad_ckpt:
             raise FSDPConfigError("fsdp_config sets both 'activation_checkpointing' and 'xla_fsdp_grad_ckpt'; "
                                   "keep one (xla_fsdp_grad_ckpt on TPU, activation_checkpointing elsewhere)")
+
+    def _validate_layout(self) -> None:
+        layout = self.layout.strip().lower() if isinstance(self.layout, str) else self.layout
+        if layout in (None, "", "manual"):
+            self.layout = None
+        elif layout == "auto":
+            self.layout = "auto"
+        else:
+            raise FSDPConfigError(f"fsdp_config key 'layout' got {self.layout!r}; allowed values: \"auto\" (the "
+                                  f"planner chooses what you did not set) or \"manual\" (the keys as given)")
+        if self.max_memory_per_rank is not None:
+            self.max_memory_per_rank = as_bytes("fsdp_config key 'max_memory_per_rank'", self.max_memory_per_rank,
+                                                FSDPConfigError)
+            if self.layout != "auto":
+                raise FSDPConfigError("fsdp_config sets 'max_memory_per_rank' without 'layout': \"auto\"; it is the "
+                                      "budget the automatic layout fits under: add 'layout': \"auto\" or drop it")
+        if self.layout == "auto" and self.xla:
+            raise FSDPConfigError("fsdp_config sets 'layout': \"auto\" with 'xla': true; the automatic layout plans "
+                                  "FSDP2 runs: drop 'layout' on the TPU path")
 
     @property
     def ac_mode(self) -> str:
@@ -309,4 +336,5 @@ class FSDPConfig:
         data = dataclasses.asdict(self)
         data.pop("replicate_only")
         data.pop("hybrid")
+        data.pop("given")
         return data

@@ -4,10 +4,29 @@ raising the caller's error class with the key, the value and the fix."""
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any
 
 TRUE_WORDS = ("true", "yes", "y", "1", "on")
 FALSE_WORDS = ("false", "no", "n", "0", "off")
+
+
+BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+              "gib": 2**30, "tib": 2**40}
+
+
+def as_bytes(key: str, value: Any, error: type[Exception]) -> int:
+    """'80GiB', '80 GB', '81920MiB' or a number of bytes -> bytes (> 0)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in BYTE_UNITS:
+            raise error(f"{key} = {value!r} is not a memory size; write e.g. 80GiB, 80GB or 81920MiB")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if number <= 0:
+        raise error(f"{key} = {value!r} must be > 0; write e.g. 80GiB")
+    return int(number * BYTE_UNITS[unit])
 
 
 def closest(name: str, candidates: list[str]) -> str:

@@ -5,14 +5,11 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from shardtrain.config.values import as_bytes
 from shardtrain.errors import PlanError
 from shardtrain.plan.trace import ACTIVATION, GATHERED, GRAD_BUFFERS, STATE_GRAD, STATE_OPT, STATE_PARAM, StepTrace
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(text: str | int | float, name: str = "--device-memory") -> int:
@@ -21,16 +18,7 @@ def parse_bytes(text: str | int | float, name: str = "--device-memory") -> int:
     Raises:
         PlanError: text that is not a positive size.
     """
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise PlanError(f"{name} = {text!r} is not a memory size; write e.g. 80GiB, 80GB or 81920MiB")
-        value, unit = float(match.group(1)), match.group(2).lower()
-    if value <= 0:
-        raise PlanError(f"{name} = {text!r} must be > 0; write e.g. 80GiB")
-    return int(value * _UNITS[unit])
+    return as_bytes(name, text, PlanError)
 
 
 def human(n: float) -> str:

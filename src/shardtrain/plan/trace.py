@@ -38,6 +38,7 @@ from shardtrain.plan.model_source import to_fake
 from shardtrain.plan.trace_modes import (
     CollectiveCounter,
     GlooCopies,
+    counting_selective_ops,
     flop_counter,
     real_device_meshes,
     step_tracker,
@@ -86,7 +87,11 @@ class StepTrace:
     collective_bytes: dict[str, int] = field(default_factory=dict)
     fsdp_shard_size: int = 1
     wire_bytes: int = 0  # what this rank sends per step with ring collectives, each over its own group
+    wire_by_kind: dict[str, int] = field(default_factory=dict)  # the same per collective kind (trace_modes)
     gemm: tuple[int, int, int] | None = None  # (m, k, n) of the matmul shape that carries the most FLOPs
+    ops: int = 0  # aten ops per step (host time per op)
+    collective_calls: int = 0  # collectives over > 1 rank per step (a round trip each)
+    selective_ops: int = 0  # ops selective checkpointing's policy decides on per step (its Python mode)
     tensors: list[TensorLayout] = field(default_factory=list)  # what save_model writes, as sharded (lifecycle.py)
 
 
@@ -286,7 +291,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
                                 by_samples=False, counts=(tokens, tokens))
 
             counter = CollectiveCounter()
-            with flop_counter() as flops, counter:
+            with flop_counter() as flops, counter, counting_selective_ops() as selective:
                 step()
             tracker = step_tracker(model, optimizer)
             tracker.track_inputs((batch,))
@@ -296,7 +301,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
                 # the second micro-batch (the overall peak it keeps is not reset)
                 step(probe.at_loss, tracker.reset_mod_stats)
             probe.remove()
-            return _result(model, optimizer, setup, tracker, probe, flops, counter, chunk)
+            return _result(model, optimizer, setup, tracker, probe, flops, counter, chunk, selective[0])
     finally:
         dist.destroy_process_group()
 
@@ -344,7 +349,8 @@ def _device_peak_offloaded(tracker: Any) -> int:
 
 
 def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup, tracker: Any, probe: _Probe,
-            flops: FlopCounterMode, counter: CollectiveCounter, loss_chunk_size: int) -> StepTrace:
+            flops: FlopCounterMode, counter: CollectiveCounter, loss_chunk_size: int, selective_ops: int = 0
+            ) -> StepTrace:
     peak_snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     breakdown = {str(getattr(k, "value", k)): v for k, v in peak_snap.items()}
     params = sum(_local_bytes(p) for p in model.parameters()) + sum(_local_bytes(b) for b in model.buffers())
@@ -367,5 +373,8 @@ def _result(model: nn.Module, optimizer: torch.optim.Optimizer, setup: StepSetup
         loss_buffers=probe.loss_buffers, loss_peak=probe.loss_peak, loss_chunk_size=loss_chunk_size,
         flops=int(flops.get_total_flops() * scale),
         collective_bytes=collectives, fsdp_shard_size=fsdp_mesh, wire_bytes=int(counter.wire * scale_wire),
+        wire_by_kind={k: int(v * scale_wire) for k, v in counter.wire_by_kind.items()},
         gemm=max(counter.gemm_flops, key=counter.gemm_flops.get) if counter.gemm_flops else None,
+        ops=int(counter.ops * scale), collective_calls=int(counter.calls * scale),
+        selective_ops=int(selective_ops * scale),
         tensors=tensor_layout(model))

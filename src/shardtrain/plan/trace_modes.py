@@ -18,6 +18,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+COLLECTIVE_KINDS = ("allgather", "reduce_scatter", "allreduce", "other")
+
+
+def collective_kind(name: str) -> str:
+    """A c10d op's name as one of `COLLECTIVE_KINDS` (backends move bytes at a different rate for each)."""
+    for kind in COLLECTIVE_KINDS[:3]:
+        if name.replace("_", "").startswith(kind.replace("_", "")):
+            return kind
+    return "other"
+
 
 class CollectiveCounter(TorchDispatchMode):
     """Bytes of each c10d collective's larger buffer on this rank (all-gather output, reduce-scatter input)."""
@@ -26,7 +36,10 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.bytes: dict[str, int] = {}
         self.wire = 0.0  # bytes this rank sends with ring collectives, each over its own group
+        self.wire_by_kind: dict[str, float] = {}  # the same per `collective_kind`
         self.gemm_flops: dict[tuple[int, int, int], int] = {}  # (m, k, n) -> FLOPs of the matmuls of that shape
+        self.ops = 0  # aten ops dispatched (each costs host time, whatever its size)
+        self.calls = 0  # collectives over more than one rank (each costs a round trip)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if any(t is DTensor for t in types):
@@ -36,6 +49,7 @@ class CollectiveCounter(TorchDispatchMode):
             a, b = args[-2], args[-1]
             shape = (int(a.shape[0]), int(a.shape[1]), int(b.shape[1]))
             self.gemm_flops[shape] = self.gemm_flops.get(shape, 0) + 2 * shape[0] * shape[1] * shape[2]
+        self.ops += 1
         if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             name = func.__name__.split(".")[0].strip("_")
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
@@ -43,8 +57,12 @@ class CollectiveCounter(TorchDispatchMode):
             size = max((t.numel() * t.element_size() for t in tensors), default=0)
             self.bytes[name] = self.bytes.get(name, 0) + size
             n = _group_size(leaves)
+            self.calls += n > 1
             if n > 1:  # ring: all-reduce sends 2(n-1)/n of its buffer, the others (n-1)/n
-                self.wire += size * (n - 1) / n * (2 if "reduce" in name and "scatter" not in name else 1)
+                sent = size * (n - 1) / n * (2 if "reduce" in name and "scatter" not in name else 1)
+                self.wire += sent
+                kind = collective_kind(name)
+                self.wire_by_kind[kind] = self.wire_by_kind.get(kind, 0.0) + sent
         return out
 
 
@@ -64,6 +82,29 @@ def _group_size(leaves: list) -> int:
             except (KeyError, ValueError, RuntimeError):
                 continue
     return 1
+
+
+@contextlib.contextmanager
+def counting_selective_ops() -> Iterator[list[int]]:
+    """Count the ops selective activation checkpointing's policy decides on (forward and recompute): each goes
+    through its Python dispatch mode, a host cost the FLOPs do not show. Yields a one-element list."""
+    from shardtrain.parallel import activation_checkpoint
+
+    calls = [0]
+    original = activation_checkpoint.selective_policy
+
+    def counted() -> Callable:
+        policy = original()
+
+        def counting(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return policy(ctx, op, *args, **kwargs)
+        return counting
+    activation_checkpoint.selective_policy = counted
+    try:
+        yield calls
+    finally:
+        activation_checkpoint.selective_policy = original
 
 
 class GlooCopies(TorchDispatchMode):

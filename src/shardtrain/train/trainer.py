@@ -206,8 +206,17 @@ class Trainer(transformers.Trainer):
             os.environ[env.CPU] = env.true_word(True)
         # the run description (arguments, launcher environment, parallel sizes), resolved once, and the runtime
         # started from it: backend (FSDP2, or PyTorch/XLA with fsdp_config "xla": true), meshes, cp, device
-        self.spec = spec = RunSpec.resolve(args)
-        self.runtime = runtime = Runtime.start(spec, model)
+        spec = RunSpec.resolve(args)
+        # fsdp_config "layout": "auto": rank 0 traces the candidate layouts before the process group starts
+        self.auto_layout = None
+        if spec.fsdp is not None and spec.fsdp.layout == "auto":
+            from shardtrain.plan.auto_layout import AutoLayout  # the planner: imported only when asked for
+
+            self.auto_layout = AutoLayout.before_start(spec, args, model, train_dataset)
+        self.runtime = runtime = Runtime.start(spec, model, auto_layout=self.auto_layout)
+        self.spec = spec = runtime.spec
+        if self.auto_layout is not None and self.auto_layout.request.choose_loss_chunk:
+            args.loss_chunk_size = self.auto_layout.loss_chunk or None
         self.backend, self.dims, self.meshes, self.cp = runtime.backend, runtime.dims, runtime.meshes, runtime.cp
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
         self.dp_rank = runtime.dp_rank  # which samples this rank sees

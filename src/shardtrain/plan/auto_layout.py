@@ -1,0 +1,327 @@
+"""`fsdp_config` `"layout": "auto"`: the fastest layout that fits the per-rank memory budget, chosen by the planner.
+
+    TrainingArguments(..., fsdp=True, fsdp_config={"layout": "auto", "max_memory_per_rank": "16GiB"})
+
+The candidates are sharding (`no_shard`: plain data parallel, every rank holds the whole model;
+`shard_grad_op`: `reshard_after_forward` false; `full_shard`) x activation checkpointing (none, selective, full) x
+the loss chunk (off, "auto"), less every key the user set (those stay as given). How the choice is made:
+1. rank 0 traces each candidate's step before the process group starts (`shardtrain.plan`, fake tensors: the
+   peak memory, FLOPs and bytes on the wire of each; the other ranks do not trace);
+2. with the process group up, every rank takes part in measuring the link (a real all-gather on the run's
+   backend) and rank 0 measures its compute rate (one thread's matmul on the step's largest shape, as `plan`);
+3. rank 0 predicts each step as FLOPs / compute rate + wire bytes / link rate, keeps the candidates whose
+   predicted peak fits the budget and picks the fastest; predictions within 2 % of each other count as a tie,
+   which goes to the smaller peak. It broadcasts its pick, and prints the table.
+The budget is `max_memory_per_rank`, else the accelerator's memory, else (CPU) the machine's memory shared by the
+node's ranks. Every layout gives the same losses (the exactness tests hold for each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import FSDPConfigError, PlanError
+from shardtrain.plan.calibration import Rates, compute_rate, measure_host, measure_link
+
+SHARDINGS = ("no_shard", "shard_grad_op", "full_shard")
+AC_VALUES: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
+TIE = 0.02  # predicted steps this close (relative) are a tie: the smaller peak wins
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One layout: its sharding, activation checkpointing and loss chunk (tokens; 0: off), and what it costs."""
+
+    sharding: str
+    ac: str
+    loss_chunk: int
+    peak: int
+    flops: float
+    wire_bytes: float
+    ops: int = 0
+    collective_calls: int = 0
+    selective_ops: int = 0
+    wire_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.sharding}, AC {self.ac}, loss chunk {self.loss_chunk or 'off'}"
+
+    def step_s(self, rates: Rates) -> float:
+        """Predicted seconds per step: compute, bytes on the wire, a round trip per collective, host time per op
+        (more under selective checkpointing's Python policy); none of it overlapped."""
+        wire = self.wire_by_kind or {"other": self.wire_bytes}
+        return (self.flops / rates.flops_per_s
+                + sum(sent / rates.link_rate(kind) for kind, sent in wire.items())
+                + self.collective_calls * rates.s_per_collective + self.ops * rates.s_per_op
+                + self.selective_ops * rates.s_per_selective_op)
+
+    def apply(self, config: FSDPConfig, sharding: bool = True) -> FSDPConfig:
+        """`config` with this candidate's activation checkpointing and (`sharding`) its sharding."""
+        changed = dataclasses.replace(config, activation_checkpointing=AC_VALUES[self.ac])
+        if not sharding:
+            return changed
+        changed = dataclasses.replace(changed, sharding_strategy=None, replicate_only=False,
+                                      reshard_after_forward=self.sharding == "full_shard")
+        if self.sharding == "no_shard":
+            changed.apply_sharding_strategy("no_shard")
+        return changed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What the planner needs about the run, read once from the Trainer's arguments and data."""
+
+    world_size: int
+    sizes: dict[str, int]
+    per_device_batch: int
+    seq_len: int
+    gradient_accumulation_steps: int
+    bf16: bool
+    target: str
+    choose_sharding: bool
+    choose_ac: bool
+    choose_loss_chunk: bool
+    loss_chunk_setting: int | str | None = None
+
+
+def request_for(spec: Any, args: Any, train_dataset: Any, device_type: str) -> Request:
+    """The planning request of a Trainer run: which keys the user left free, and the step's shape.
+
+    Raises:
+        FSDPConfigError: the sequence length cannot be read from `train_dataset`.
+    """
+    config: FSDPConfig = spec.fsdp
+    given = config.given
+    sizes = {k: v for k, v in spec.sizes.items() if v}
+    # no_shard and the sharding choice are for plain data parallelism: other sizes keep the sharding as given
+    plain_dp = not any(sizes.get(k, 1) > 1 for k in ("cp", "tp", "ep", "dp_shard", "dp_replicate")) \
+        and not config.hybrid
+    return Request(world_size=spec.world_size, sizes=sizes, per_device_batch=args.per_device_train_batch_size,
+                   seq_len=_seq_len(train_dataset), gradient_accumulation_steps=args.gradient_accumulation_steps,
+                   bf16=spec.mixed_precision == "bf16", target="cpu" if device_type == "cpu" else "cuda",
+                   choose_sharding=not ({"sharding_strategy", "reshard_after_forward"} & given) and plain_dp,
+                   choose_ac="activation_checkpointing" not in given and not args.gradient_checkpointing,
+                   choose_loss_chunk=args.loss_chunk_size is None, loss_chunk_setting=args.loss_chunk_size)
+
+
+def _seq_len(dataset: Any, samples: int = 64) -> int:
+    """The longest `input_ids` among the first samples (the batches the step will see are padded to about that)."""
+    lengths = []
+    try:
+        for index in range(min(samples, len(dataset))):
+            ids = dataset[index]["input_ids"]
+            lengths.append(len(ids))
+    except (TypeError, KeyError, IndexError):
+        lengths = []
+    if not lengths:
+        raise FSDPConfigError("fsdp_config 'layout': \"auto\" reads the sequence length from the train dataset's "
+                              "'input_ids', and this train_dataset has none; pass a tokenized train_dataset or set "
+                              "the layout by hand ('layout': \"manual\"; `shardtrain plan` predicts each one)")
+    return max(lengths)
+
+
+def trace_candidates(model: Any, config: FSDPConfig, request: Request
+                     ) -> tuple[list[Candidate], tuple[int, int, int] | None]:
+    """Trace every candidate layout's step (rank 0, before any process group): peak, FLOPs and wire bytes of
+    each, and the step's largest matmul shape (what the compute rate is measured on)."""
+    from shardtrain.plan.memory import device_peak
+    from shardtrain.plan.planner import plan
+
+    shardings = [s for s in SHARDINGS if s != "no_shard" or request.world_size > 1] if request.choose_sharding \
+        else [None]
+    chunks = [None, "auto"] if request.choose_loss_chunk and _chunking_helps(model, request) \
+        else [None if request.choose_loss_chunk else request.loss_chunk_setting]
+    found: dict[tuple[str, str, int], Candidate] = {}
+    gemm = None
+    for sharding, chunk in itertools.product(shardings, chunks):
+        base = dataclasses.replace(config, layout=None, max_memory_per_rank=None)
+        if sharding is not None:
+            base = Candidate(sharding=sharding, ac=base.ac_mode, loss_chunk=0, peak=0, flops=0,
+                             wire_bytes=0).apply(base)
+        try:
+            result = plan(model, fsdp_config=base, world_size=request.world_size, **request.sizes,
+                          per_device_batch=request.per_device_batch, seq_len=request.seq_len,
+                          gradient_accumulation_steps=request.gradient_accumulation_steps, bf16=request.bf16,
+                          target=request.target, loss_chunk_size=chunk, estimate_step_time=False,
+                          what_if=request.choose_ac)
+        except PlanError as err:
+            raise FSDPConfigError(f"fsdp_config 'layout': \"auto\" could not plan this run: {err}; set the layout "
+                                  "by hand ('layout': \"manual\")") from None
+        label = sharding or ("no_shard" if base.replicate_only else
+                             "full_shard" if base.reshard_after_forward else "shard_grad_op")
+        gemm = gemm or result.trace.gemm
+        tokens = request.per_device_batch * request.seq_len // request.sizes.get("cp", 1)
+        for mode, trace in result.ac_traces.items():
+            # "auto" may come to no chunking (a small vocabulary) or one chunk of every token: the same layout
+            chunk_tokens = trace.loss_chunk_size if 0 < trace.loss_chunk_size < tokens else 0
+            key = (label, mode, chunk_tokens)
+            if key not in found:
+                found[key] = Candidate(sharding=label, ac=mode, loss_chunk=chunk_tokens,
+                                       peak=device_peak(trace, base.cpu_offload, request.target),
+                                       flops=trace.flops, wire_bytes=trace.wire_bytes, ops=trace.ops,
+                                       collective_calls=trace.collective_calls, selective_ops=trace.selective_ops,
+                                       wire_by_kind=dict(trace.wire_by_kind))
+    return list(found.values()), gemm
+
+
+def _chunking_helps(model: Any, request: Request) -> bool:
+    """Whether the loss chunk "auto" would split this model's micro-batch (checked on the module before tracing;
+    a model given by its path is traced both ways)."""
+    if not isinstance(model, torch.nn.Module):
+        return True
+    from shardtrain.train.step.chunked_loss import resolve_chunk_size
+
+    chunk = resolve_chunk_size("auto", model, tensor_parallel=request.sizes.get("tp", 1) > 1)
+    return 0 < chunk < request.per_device_batch * request.seq_len // request.sizes.get("cp", 1)
+
+
+def default_budget(config: FSDPConfig, device: torch.device, local_world_size: int) -> tuple[int, str]:
+    """The per-rank memory budget and where it came from."""
+    if config.max_memory_per_rank is not None:
+        return config.max_memory_per_rank, "fsdp_config max_memory_per_rank"
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    import psutil
+
+    return psutil.virtual_memory().total // max(local_world_size, 1), \
+        f"this machine's memory / {local_world_size} rank(s)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """The candidates, their predicted step, which fit, and the pick."""
+
+    candidates: list[Candidate]
+    chosen: int
+    budget: int
+    budget_source: str
+    rates: Rates
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.candidates[self.chosen]
+
+    def step_s(self, candidate: Candidate) -> float:
+        return candidate.step_s(self.rates)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chosen": self.candidate.name, "budget_bytes": self.budget, "budget_source": self.budget_source,
+                "rates": dataclasses.asdict(self.rates),
+                "candidates": [{"name": c.name, "sharding": c.sharding, "activation_checkpointing": c.ac,
+                                "loss_chunk": c.loss_chunk, "predicted_peak_bytes": c.peak, "ops": c.ops,
+                                "collective_calls": c.collective_calls, "selective_ops": c.selective_ops,
+                                "predicted_step_s": self.step_s(c), "fits": c.peak <= self.budget}
+                               for c in self.candidates]}
+
+    def report(self) -> str:
+        from shardtrain.plan.memory import human
+
+        pick = self.candidate
+        fits = [c for c in self.candidates if c.peak <= self.budget]
+        lines = [f"layout auto: {pick.name}: predicted {human(pick.peak)} per rank of {human(self.budget)} "
+                 f"({self.budget_source}), {self.step_s(pick) * 1e3:.0f} ms per step; the fastest predicted of the "
+                 f"{len(fits)} of {len(self.candidates)} candidates that fit"]
+        lines.append(f"    {'candidate (*: chosen, x: does not fit)':<48} {'peak/rank':>10} {'step':>11}")
+        for c in sorted(self.candidates, key=self.step_s):
+            mark = "*" if c is pick else (" " if c.peak <= self.budget else "x")
+            lines.append(f"  {mark} {c.name:<48} {human(c.peak):>10} {self.step_s(c) * 1e3:8.0f} ms")
+        return "\n".join(lines)
+
+
+def choose(candidates: list[Candidate], budget: int, rates: Rates) -> int:
+    """Index of the fastest predicted candidate whose peak fits `budget` (ties within `TIE`: the smaller peak).
+
+    Raises:
+        FSDPConfigError: none fits (names the smallest and what else can shrink memory).
+    """
+    fits = [i for i, c in enumerate(candidates) if c.peak <= budget]
+    if not fits:
+        from shardtrain.plan.memory import human
+
+        least = min(candidates, key=lambda c: c.peak)
+        raise FSDPConfigError(f"fsdp_config 'layout': \"auto\": no layout fits {human(budget)} per rank (the "
+                              f"smallest, {least.name}, needs {human(least.peak)}); raise max_memory_per_rank, add "
+                              "ranks, lower per_device_train_batch_size, or set 'cpu_offload': true")
+    fastest = min(candidates[i].step_s(rates) for i in fits)
+    near = [i for i in fits if candidates[i].step_s(rates) <= fastest * (1 + TIE)]
+    return min(near, key=lambda i: (candidates[i].peak, candidates[i].step_s(rates)))
+
+
+@dataclass(kw_only=True)
+class AutoLayout:
+    """A Trainer run's automatic layout: traced on rank 0 before the process group starts (`before_start`),
+    agreed on by every rank once it is up (`agree`)."""
+
+    request: Request
+    candidates: list[Candidate]  # rank 0's; empty on the others
+    gemm: tuple[int, int, int] | None = None
+    choice: Choice | None = None  # rank 0's, after `agree`
+    loss_chunk: int = 0  # the chosen loss chunk (tokens; 0: off), after `agree`
+
+    @classmethod
+    def before_start(cls, spec: Any, args: Any, model: Any, train_dataset: Any) -> AutoLayout:
+        """Trace the candidates on rank 0 (the launcher's RANK); the other ranks only read the request.
+
+        Raises:
+            FSDPConfigError: no model to plan, no sequence length, a process group already started, or a run the
+                planner cannot trace.
+        """
+        import torch.distributed as dist
+
+        from shardtrain.parallel.distributed import device_type
+
+        if model is None or isinstance(model, str | os.PathLike) and not os.path.isdir(model):
+            raise FSDPConfigError("fsdp_config 'layout': \"auto\" plans the model passed to Trainer(model=...); "
+                                  "with model_init (or a hub name) set the layout by hand ('layout': \"manual\")")
+        if dist.is_initialized():
+            raise FSDPConfigError("fsdp_config 'layout': \"auto\" traces the step before the process group "
+                                  "starts, and this process started one before the Trainer; create the Trainer "
+                                  "first, or set the layout by hand (`shardtrain plan` predicts each one)")
+        request = request_for(spec, args, train_dataset, device_type())
+        if int(os.environ.get("RANK", "0")) != 0:
+            return cls(request=request, candidates=[])
+        candidates, gemm = trace_candidates(model, spec.fsdp, request)
+        return cls(request=request, candidates=candidates, gemm=gemm)
+
+    def agree(self, spec: Any, backend: Any) -> Any:
+        """Every rank: measure the rates, rank 0 chooses and broadcasts (sharding, AC, loss chunk); returns
+        `spec` with the chosen layout (`self.loss_chunk` holds the chosen chunk)."""
+        link, round_trip = measure_link(backend.device) if backend.world_size > 1 else ({}, 0.0)
+        picked = torch.zeros(3, dtype=torch.int64, device=backend.device)
+        problem = None
+        if backend.rank == 0:
+            per_op, per_selective_op = measure_host(backend.device)
+            rates = Rates(compute_rate(self.gemm, backend.device), link.get("allgather", float("inf")), round_trip,
+                          per_op, per_selective_op, link_by_kind=link)
+            budget, source = default_budget(spec.fsdp, backend.device, spec.local_world_size or backend.world_size)
+            try:
+                chosen = choose(self.candidates, budget, rates)
+            except FSDPConfigError as err:
+                problem = str(err)
+            else:
+                self.choice = Choice(candidates=self.candidates, chosen=chosen, budget=budget, budget_source=source,
+                                     rates=rates)
+                pick = self.choice.candidate
+                picked[:] = torch.tensor([SHARDINGS.index(pick.sharding), list(AC_VALUES).index(pick.ac),
+                                          pick.loss_chunk])
+                print(self.choice.report(), flush=True)
+        if backend.world_size > 1:
+            from shardtrain.train.data.validation import agree
+
+            agree(problem, FSDPConfigError)  # every rank raises rank 0's problem, before anything is built
+            backend.broadcast(picked)
+        elif problem is not None:
+            raise FSDPConfigError(problem)
+        sharding, ac, chunk = (int(v) for v in picked.cpu())
+        self.loss_chunk = chunk
+        chosen = Candidate(sharding=SHARDINGS[sharding], ac=list(AC_VALUES)[ac], loss_chunk=chunk, peak=0, flops=0,
+                           wire_bytes=0)
+        return dataclasses.replace(spec, fsdp=chosen.apply(spec.fsdp, sharding=self.request.choose_sharding))

@@ -1,0 +1,54 @@
+"""`fsdp_config` "layout": "auto" on 2 ranks: the planner's pick is the fastest predicted layout that fits the budget,
+the run applies it, and it trains with the default layout's losses (GPT-2 with dropout and tied embeddings, padded
+samples); "auto" is refused with a clear error once a process group exists."""
+
+import json
+from pathlib import Path
+
+import pytest
+from launch import torchrun
+
+WORKER = Path(__file__).parent / "workers" / "auto_layout.py"
+# rules out every layout without activation checkpointing, and no_shard (the planner's peaks of this model: 705 KiB
+# to 1.11 MiB)
+BUDGET = 900 * 1024
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto_layout")
+    # not pooled: the pool's ranks start each case's process group first, and "auto" plans before it starts
+    torchrun(WORKER, 2, str(out), str(BUDGET), pooled=False)
+    return json.loads((out / "result.json").read_text())
+
+
+def test_pick_is_fastest_predicted_that_fits(result):
+    choice = result["choice"]
+    fits = [c for c in choice["candidates"] if c["fits"]]
+    assert choice["budget_bytes"] == BUDGET and choice["budget_source"] == "fsdp_config max_memory_per_rank"
+    assert len(choice["candidates"]) == 9  # 3 shardings x 3 checkpointing modes (vocabulary 64: no loss chunk)
+    assert 0 < len(fits) < 9
+    assert all(c["predicted_peak_bytes"] <= BUDGET for c in fits)
+    picked = next(c for c in choice["candidates"] if c["name"] == choice["chosen"])
+    assert picked["fits"]
+    assert picked["predicted_step_s"] <= min(c["predicted_step_s"] for c in fits) * 1.02
+    # which of those is fastest depends on this machine's measured rates; each of them checkpoints and shards
+    assert picked["activation_checkpointing"] != "none" and picked["sharding"] != "no_shard"
+
+
+def test_run_applies_the_pick(result):
+    picked = next(c for c in result["choice"]["candidates"] if c["name"] == result["choice"]["chosen"])
+    assert result["applied"] == {"replicate_only": False,
+                                 "reshard_after_forward": picked["sharding"] == "full_shard",
+                                 "activation_checkpointing": picked["activation_checkpointing"],
+                                 "loss_chunk_size": None}
+
+
+def test_losses_equal_the_default_layout(result):
+    assert result["losses"] == pytest.approx(result["default_losses"], abs=1e-6, rel=0)
+    assert len(result["losses"]) == 4 and len(set(result["losses"])) > 1
+
+
+def test_refused_once_a_process_group_exists(result):
+    assert "before the process group starts" in result["refused"]
+    assert "set the layout by hand" in result["refused"]

@@ -1,0 +1,101 @@
+"""`plan.auto_layout`: the choice among candidate layouts, the `fsdp_config` keys that ask for it, and the traced
+candidates of a tiny Llama (the 2-rank run: tests/distributed/test_auto_layout.py)."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from tiny_models import tiny_llama
+
+from shardtrain.config.fsdp_config import FSDPConfig
+from shardtrain.errors import FSDPConfigError
+from shardtrain.plan.auto_layout import Candidate, Rates, Request, choose, request_for, trace_candidates
+
+
+def _candidate(sharding: str, ac: str, peak: int, flops: float, wire: float) -> Candidate:
+    return Candidate(sharding=sharding, ac=ac, loss_chunk=0, peak=peak, flops=flops, wire_bytes=wire)
+
+
+CANDIDATES = [_candidate("no_shard", "none", 900, 100, 10), _candidate("shard_grad_op", "none", 700, 100, 10),
+              _candidate("full_shard", "none", 600, 100, 15), _candidate("full_shard", "full", 400, 133, 15)]
+
+
+@pytest.mark.parametrize("budget,expected", [(1000, 1), (650, 2), (500, 3)])
+def test_choose_fastest_that_fits(budget, expected):
+    # rates 1 flop/s and 1 byte/s: steps 110, 110, 115, 148; a tie (no_shard, shard_grad_op) goes to the smaller peak
+    assert choose(CANDIDATES, budget, Rates(1.0, 1.0)) == expected
+
+
+def test_choose_none_fits_names_the_smallest_and_the_fix():
+    with pytest.raises(FSDPConfigError, match=r"no layout fits 300 B per rank \(the smallest, full_shard, AC full, "
+                                              r"loss chunk off, needs 400 B\); raise max_memory_per_rank"):
+        choose(CANDIDATES, 300, Rates(1.0, 1.0))
+
+
+def test_candidate_apply():
+    config = FSDPConfig.load({"reshard_after_forward": 2})
+    no_shard = _candidate("no_shard", "selective", 0, 0, 0).apply(config)
+    assert (no_shard.replicate_only, no_shard.reshard_after_forward, no_shard.ac_mode) == (True, False, "selective")
+    kept = _candidate("full_shard", "full", 0, 0, 0).apply(config, sharding=False)  # the user's sharding stays
+    assert (kept.reshard_after_forward, kept.ac_mode) == (2, "full")
+
+
+def _spec(raw: dict, sizes: dict | None = None) -> SimpleNamespace:
+    return SimpleNamespace(fsdp=FSDPConfig.load(raw), sizes=sizes or {}, world_size=2, mixed_precision="no")
+
+
+def _args(**changes) -> SimpleNamespace:
+    return SimpleNamespace(**{"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1,
+                              "gradient_checkpointing": False, "loss_chunk_size": None, **changes})
+
+
+def test_request_leaves_the_users_keys():
+    data = [{"input_ids": [1] * n} for n in (5, 9, 7)]
+    free = request_for(_spec({"layout": "auto"}), _args(), data, "cpu")
+    assert (free.choose_sharding, free.choose_ac, free.choose_loss_chunk, free.seq_len) == (True, True, True, 9)
+    fixed = request_for(_spec({"layout": "auto", "reshard_after_forward": False, "activation_checkpointing": False}),
+                        _args(loss_chunk_size=64), data, "cpu")
+    assert (fixed.choose_sharding, fixed.choose_ac, fixed.choose_loss_chunk) == (False, False, False)
+    assert not request_for(_spec({"layout": "auto"}, {"tp": 2}), _args(), data, "cpu").choose_sharding
+
+
+def test_request_needs_input_ids():
+    with pytest.raises(FSDPConfigError, match="reads the sequence length from the train dataset's 'input_ids'"):
+        request_for(_spec({"layout": "auto"}), _args(), [{"pixel_values": [0.0]}], "cpu")
+
+
+def test_traced_candidates_of_a_tiny_llama():
+    request = Request(world_size=2, sizes={}, per_device_batch=2, seq_len=16, gradient_accumulation_steps=1,
+                      bf16=False, target="cpu", choose_sharding=True, choose_ac=False, choose_loss_chunk=True)
+    config = FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "layout": "auto"})
+    candidates, gemm = trace_candidates(tiny_llama(), config, request)
+    by = {c.sharding: c for c in candidates}
+    assert sorted(by) == ["full_shard", "no_shard", "shard_grad_op"] and len(candidates) == 3
+    assert gemm is not None and len({c.flops for c in candidates}) == 1  # sharding does not change the FLOPs
+    # plain data parallel all-reduces what shard_grad_op all-gathers once and reduce-scatters; full_shard gathers
+    # again in backward
+    assert by["no_shard"].wire_bytes == pytest.approx(by["shard_grad_op"].wire_bytes, rel=0.01)
+    assert by["full_shard"].wire_bytes > by["shard_grad_op"].wire_bytes
+    assert by["no_shard"].peak > by["shard_grad_op"].peak >= by["full_shard"].peak
+    assert dataclasses.replace(by["no_shard"]).apply(config).replicate_only
+
+
+def test_predicted_step_adds_every_cost():
+    candidate = Candidate(sharding="full_shard", ac="selective", loss_chunk=0, peak=0, flops=1e9, wire_bytes=1e6,
+                          ops=1000, collective_calls=10, selective_ops=100)
+    rates = Rates(flops_per_s=1e10, link_bytes_per_s=1e7, s_per_collective=1e-3, s_per_op=1e-5,
+                  s_per_selective_op=1e-4)
+    assert candidate.step_s(rates) == pytest.approx(0.1 + 0.1 + 0.01 + 0.01 + 0.01)
+
+
+def test_traced_op_counts():
+    """The trace counts ops, collectives and the ops selective checkpointing's policy sees (its host costs)."""
+    request = Request(world_size=2, sizes={}, per_device_batch=2, seq_len=16, gradient_accumulation_steps=1,
+                      bf16=False, target="cpu", choose_sharding=False, choose_ac=True, choose_loss_chunk=False)
+    config = FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "layout": "auto"})
+    by = {c.ac: c for c in trace_candidates(tiny_llama(), config, request)[0]}
+    assert by["none"].selective_ops == by["full"].selective_ops == 0 < by["selective"].selective_ops
+    assert by["none"].ops < by["selective"].ops and by["none"].ops < by["full"].ops  # recomputation
+    # full_shard on 2 ranks: per unit an all-gather in forward, one in backward and a reduce-scatter (an
+    # all-to-all on gloo), whatever the checkpointing
+    assert by["none"].collective_calls == by["full"].collective_calls > 0
