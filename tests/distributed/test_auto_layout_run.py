@@ -52,3 +52,12 @@ def test_losses_equal_the_default_layout(result):
 def test_refused_once_a_process_group_exists(result):
     assert "before the process group starts" in result["refused"]
     assert "set the layout by hand" in result["refused"]
+
+
+def test_no_layout_fits_stops_every_rank_before_training(tmp_path):
+    out = tmp_path / "run"
+    proc = torchrun(WORKER, 2, str(out), "1KiB", check=False, pooled=False)
+    assert proc.returncode != 0  # both ranks ended (rank 1 raised the same error, which rank 0 prints)
+    assert "no layout fits 1.00 KiB per rank (the smallest, " in proc.stderr
+    assert "needs 705 KiB); raise max_memory_per_rank" in proc.stderr
+    assert not (out / "auto").exists()  # stopped before the Trainer touched its output_dir

@@ -42,6 +42,9 @@ def test_frozen_and_independent_of_later_changes(tmp_path):
 
 # each layer may import the ones after it in this list, never one before it
 LAYERS = ["cli", "plan", "train", "checkpoint", "parallel", "config"]
+# the one upward edge: fsdp_config "layout": "auto" runs the planner (which traces the Trainer's step, so it sits
+# above train) when the Trainer starts, imported inside that branch only
+ALLOWED = {("train/trainer.py", "shardtrain.plan.auto_layout")}
 
 
 def test_lower_layers_never_import_upper_ones():
@@ -57,7 +60,8 @@ def test_lower_layers_never_import_upper_ones():
                 parts = name.split(".")
                 if parts[0] != "shardtrain" or len(parts) < 2 or parts[1] not in LAYERS:
                     continue
-                if LAYERS.index(parts[1]) < LAYERS.index(layer):
+                upward = LAYERS.index(parts[1]) < LAYERS.index(layer)
+                if upward and (str(path.relative_to(PACKAGE)), name) not in ALLOWED:
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert wrong == []
 
