@@ -5,13 +5,15 @@
 The candidates are sharding (`no_shard`: plain data parallel, every rank holds the whole model;
 `shard_grad_op`: `reshard_after_forward` false; `full_shard`) x activation checkpointing (none, selective, full) x
 the loss chunk (off, "auto"), less every key the user set (those stay as given). How the choice is made:
-1. rank 0 traces each candidate's step before the process group starts (`shardtrain.plan`, fake tensors: the
-   peak memory, FLOPs and bytes on the wire of each; the other ranks do not trace);
-2. with the process group up, every rank takes part in measuring the link (a real all-gather on the run's
-   backend) and rank 0 measures its compute rate (one thread's matmul on the step's largest shape, as `plan`);
-3. rank 0 predicts each step as FLOPs / compute rate + wire bytes / link rate, keeps the candidates whose
-   predicted peak fits the budget and picks the fastest; predictions within 2 % of each other count as a tie,
-   which goes to the smaller peak. It broadcasts its pick, and prints the table.
+1. rank 0 traces each candidate's step before the process group starts (`shardtrain.plan`, fake tensors: peak
+   memory, FLOPs, bytes on the wire per collective kind, collective calls, ops, and the ops selective
+   checkpointing's Python policy sees; the other ranks do not trace);
+2. with the process group up, every rank takes part in timing real collectives on the run's backend (per kind:
+   gloo's all-reduce moves bytes ~2x faster than its all-gather; and a tiny one's round trip), and rank 0 times its
+   matmul rate and its host time per op, plainly and under the selective policy (`plan.calibration`);
+3. rank 0 predicts each step as the sum of those costs (nothing overlapped), keeps the candidates whose predicted
+   peak fits the budget and picks the fastest; predictions within 2 % of each other count as a tie, which goes to
+   the smaller peak. It broadcasts its pick, and prints the table.
 The budget is `max_memory_per_rank`, else the accelerator's memory, else (CPU) the machine's memory shared by the
 node's ranks. Every layout gives the same losses (the exactness tests hold for each).
 """
@@ -52,6 +54,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
+        """E.g. "full_shard, AC selective, loss chunk off" (the table's and the benchmark's key)."""
         return f"{self.sharding}, AC {self.ac}, loss chunk {self.loss_chunk or 'off'}"
 
     def step_s(self, rates: Rates) -> float:
@@ -207,12 +210,15 @@ class Choice:
 
     @property
     def candidate(self) -> Candidate:
+        """The pick."""
         return self.candidates[self.chosen]
 
     def step_s(self, candidate: Candidate) -> float:
+        """`candidate`'s predicted seconds per step at the measured rates."""
         return candidate.step_s(self.rates)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON: the pick, the budget, the rates, and every candidate's counts and predictions."""
         return {"chosen": self.candidate.name, "budget_bytes": self.budget, "budget_source": self.budget_source,
                 "rates": dataclasses.asdict(self.rates),
                 "candidates": [{"name": c.name, "sharding": c.sharding, "activation_checkpointing": c.ac,
@@ -222,6 +228,7 @@ class Choice:
                                for c in self.candidates]}
 
     def report(self) -> str:
+        """The table rank 0 prints: the pick and why, then every candidate from the fastest predicted."""
         from shardtrain.plan.memory import human
 
         pick = self.candidate
