@@ -68,14 +68,20 @@ class Candidate:
 
     def apply(self, config: FSDPConfig, sharding: bool = True) -> FSDPConfig:
         """`config` with this candidate's activation checkpointing and (`sharding`) its sharding."""
-        changed = dataclasses.replace(config, activation_checkpointing=AC_VALUES[self.ac])
-        if not sharding:
-            return changed
-        changed = dataclasses.replace(changed, sharding_strategy=None, replicate_only=False,
-                                      reshard_after_forward=self.sharding == "full_shard")
-        if self.sharding == "no_shard":
-            changed.apply_sharding_strategy("no_shard")
+        return layout_config(config, self.sharding if sharding else None, self.ac)
+
+
+def layout_config(config: FSDPConfig, sharding: str | None, ac: str) -> FSDPConfig:
+    """`config` with activation checkpointing `ac` (one of `AC_VALUES`) and, unless None, sharding `sharding` (one
+    of `SHARDINGS`)."""
+    changed = dataclasses.replace(config, activation_checkpointing=AC_VALUES[ac])
+    if sharding is None:
         return changed
+    changed = dataclasses.replace(changed, sharding_strategy=None, replicate_only=False,
+                                  reshard_after_forward=sharding == "full_shard")
+    if sharding == "no_shard":
+        changed.apply_sharding_strategy("no_shard")
+    return changed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +99,11 @@ class Request:
     choose_ac: bool
     choose_loss_chunk: bool
     loss_chunk_setting: int | str | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one rank's micro-batch holds (context parallelism splits each sequence)."""
+        return self.per_device_batch * self.seq_len // self.sizes.get("cp", 1)
 
 
 def request_for(spec: Any, args: Any, train_dataset: Any, device_type: str) -> Request:
@@ -144,11 +155,9 @@ def trace_candidates(model: Any, config: FSDPConfig, request: Request
         else [None if request.choose_loss_chunk else request.loss_chunk_setting]
     found: dict[tuple[str, str, int], Candidate] = {}
     gemm = None
+    manual = dataclasses.replace(config, layout=None, max_memory_per_rank=None)
     for sharding, chunk in itertools.product(shardings, chunks):
-        base = dataclasses.replace(config, layout=None, max_memory_per_rank=None)
-        if sharding is not None:
-            base = Candidate(sharding=sharding, ac=base.ac_mode, loss_chunk=0, peak=0, flops=0,
-                             wire_bytes=0).apply(base)
+        base = layout_config(manual, sharding, manual.ac_mode)
         try:
             result = plan(model, fsdp_config=base, world_size=request.world_size, **request.sizes,
                           per_device_batch=request.per_device_batch, seq_len=request.seq_len,
@@ -161,10 +170,9 @@ def trace_candidates(model: Any, config: FSDPConfig, request: Request
         label = sharding or ("no_shard" if base.replicate_only else
                              "full_shard" if base.reshard_after_forward else "shard_grad_op")
         gemm = gemm or result.trace.gemm
-        tokens = request.per_device_batch * request.seq_len // request.sizes.get("cp", 1)
         for mode, trace in result.ac_traces.items():
             # "auto" may come to no chunking (a small vocabulary) or one chunk of every token: the same layout
-            chunk_tokens = trace.loss_chunk_size if 0 < trace.loss_chunk_size < tokens else 0
+            chunk_tokens = trace.loss_chunk_size if 0 < trace.loss_chunk_size < request.tokens else 0
             key = (label, mode, chunk_tokens)
             if key not in found:
                 found[key] = Candidate(sharding=label, ac=mode, loss_chunk=chunk_tokens,
@@ -183,7 +191,7 @@ def _chunking_helps(model: Any, request: Request) -> bool:
     from shardtrain.train.step.chunked_loss import resolve_chunk_size
 
     chunk = resolve_chunk_size("auto", model, tensor_parallel=request.sizes.get("tp", 1) > 1)
-    return 0 < chunk < request.per_device_batch * request.seq_len // request.sizes.get("cp", 1)
+    return 0 < chunk < request.tokens
 
 
 def default_budget(config: FSDPConfig, device: torch.device, local_world_size: int) -> tuple[int, str]:
@@ -327,8 +335,7 @@ class AutoLayout:
             backend.broadcast(picked)
         elif problem is not None:
             raise FSDPConfigError(problem)
-        sharding, ac, chunk = (int(v) for v in picked.cpu())
-        self.loss_chunk = chunk
-        chosen = Candidate(sharding=SHARDINGS[sharding], ac=list(AC_VALUES)[ac], loss_chunk=chunk, peak=0, flops=0,
-                           wire_bytes=0)
-        return dataclasses.replace(spec, fsdp=chosen.apply(spec.fsdp, sharding=self.request.choose_sharding))
+        sharding, ac, self.loss_chunk = (int(v) for v in picked.cpu())
+        fsdp = layout_config(spec.fsdp, SHARDINGS[sharding] if self.request.choose_sharding else None,
+                             list(AC_VALUES)[ac])
+        return dataclasses.replace(spec, fsdp=fsdp)
