@@ -1,9 +1,10 @@
 """What a rank's step costs on this machine, measured at start-up for `plan.auto_layout`: the compute rate, the link
 (a real collective's rate and round trip) and the host time per op, plainly and under selective checkpointing.
 
-    link, round_trip = measure_link(device)          # collective: every rank calls it
+    link, round_trip = measure_link(device)          # collective: every rank calls it; bytes/s per kind
     per_op, per_selective_op = measure_host(device)
-    rates = Rates(compute_rate(gemm, device), link, round_trip, per_op, per_selective_op)
+    rates = Rates(compute_rate(gemm, device), link["allgather"], round_trip, per_op, per_selective_op,
+                  link_by_kind=link)
 """
 
 from __future__ import annotations
@@ -114,11 +115,11 @@ def measure_host(device: torch.device) -> tuple[float, float]:
     return per_op, max(extra, 0.0)
 
 
-def compute_rate(candidates_gemm: tuple[int, int, int] | None, device: torch.device) -> float:
+def compute_rate(gemm: tuple[int, int, int] | None, device: torch.device) -> float:
     """The compute rate `plan` calibrates: a matmul on the step's largest shape, on this rank's threads."""
     from shardtrain.plan.step_time import measure_flops_rate
 
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or None
-    return measure_flops_rate("cuda" if device.type == "cuda" else "cpu", candidates_gemm or (512, 512, 512),
+    return measure_flops_rate("cuda" if device.type == "cuda" else "cpu", gemm or (512, 512, 512),
                               threads if device.type == "cpu" else None)
 
