@@ -3,17 +3,22 @@
     python benchmarks/gpu.py --out gpu.json                  # CUDA: every GPU of the machine, 1B Llama, bf16
     python benchmarks/gpu.py --tiny --out /tmp/gpu_tiny.json # CPU (gloo), a tiny Llama: what the test suite runs
 
-One `python -m torch.distributed.run --nproc_per_node <GPUs>` launch of this file (`--worker`) runs four modes one
+One `python -m torch.distributed.run --nproc_per_node <GPUs>` launch of this file (`--worker`) runs six modes one
 after the other on the same model (Llama-3.2-1B's shape, built from a config, random weights and tokens; nothing
-is downloaded): {trainer, raw} x {eager, compile}, all with bf16 (FSDP2 `MixedPrecisionPolicy`: bf16 compute,
-fp32 reductions and master weights), activation checkpointing on every decoder layer, fused AdamW, clipping at
-1.0. `trainer` is `shardtrain.Trainer` (fsdp_config activation_checkpointing, `torch_compile`); `raw` is the
-smallest loop on `fully_shard` with the same settings (per-layer `checkpoint_wrapper` and `module.compile()`).
+is downloaded): {trainer, raw, hf} x {eager, compile}, all with bf16, activation checkpointing on every decoder
+layer, fused AdamW, clipping at 1.0. `trainer` is `shardtrain.Trainer` (fsdp_config activation_checkpointing,
+`torch_compile`; FSDP2 `MixedPrecisionPolicy`: bf16 compute, fp32 reductions and master weights); `raw` is the
+smallest loop on `fully_shard` with the same settings (per-layer `checkpoint_wrapper` and `module.compile()`);
+`hf` is transformers' own Trainer (`bf16=True`: autocast over fp32 weights, `gradient_checkpointing`, DDP when
+there are several GPUs: the whole model state on every GPU). A mode that fails records its error; the others run.
 
 Reported per mode: tokens/s per GPU and step time (median of the timed steps, after --warmup), MFU = model
 FLOPs per step (6 x parameters except the input-embedding lookup x tokens + 12 x layers x hidden x seq x tokens,
 PaLM's count) / step time / the device's peak dense bf16 FLOP/s (known devices below, or --peak-tflops), peak memory
 (`torch.cuda.max_memory_allocated`; on CPU none), the first step's time (compile happens there) and the losses.
+`planned` is `shardtrain.plan`'s prediction (run before the ranks start) for the trainer modes' layout (peak memory
+per GPU, step time from the traced FLOPs at a bf16 matmul rate it measures on this device), next to what the trainer
+modes measured; on a torch older than the planner supports it holds the planner's error instead.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ LLAMA_1B = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 128}
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense
-MODES = ("trainer_eager", "trainer_compile", "raw_eager", "raw_compile")
+MODES = ("trainer_eager", "hf_eager", "raw_eager", "trainer_compile", "raw_compile", "hf_compile")  # first: most asked
 
 
 def model_flops_per_token(config: dict[str, Any], seq: int, non_embedding_params: int) -> float:
@@ -45,6 +50,29 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     if override_tflops:
         return override_tflops * 1e12
     return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in device_name), None)
+
+
+def plan_prediction(shape: dict[str, Any], world: int, seq: int, batch: int, cuda: bool) -> dict[str, Any]:
+    """`shardtrain.plan` on the trainer modes' layout: peak memory per rank and step time (bf16 matmul rate
+    measured on this device; with several GPUs the link rate is a local copy's, a stand-in)."""
+    from transformers import LlamaConfig
+
+    from shardtrain.errors import PlanError
+    from shardtrain.plan import plan
+
+    try:
+        result = plan(LlamaConfig(**shape), fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                                         "activation_checkpointing": True},
+                      world_size=world, per_device_batch=batch, seq_len=seq, bf16=True,
+                      target="cuda" if cuda else "cpu", what_if=False)
+    except PlanError as err:  # e.g. an older torch on the GPU machine: the benchmark itself still runs
+        return {"error": str(err)}
+    step = result.step or {}
+    return {"peak_memory_gib": round(result.peak / 2**30, 3),
+            "step_s_no_overlap": round(step.get("step_s_no_overlap", 0.0), 4),
+            "step_s_full_overlap": round(step.get("step_s_full_overlap", 0.0), 4),
+            "compute_s": round(step.get("compute_s", 0.0), 4), "flops_rate": step.get("flops_rate"),
+            "flops_rate_source": step.get("flops_rate_source"), "traced_flops": step.get("flops")}
 
 
 def worker(cli: argparse.Namespace) -> None:
@@ -114,6 +142,20 @@ def worker(cli: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             self.marks.append(time.perf_counter())
 
+    def hf_run(compile_: bool) -> tuple[list[float], list[float]]:
+        import transformers
+
+        timer = Timer()
+        args = transformers.TrainingArguments(
+            output_dir=tempfile.mkdtemp(), bf16=True, torch_compile=compile_, per_device_train_batch_size=batch,
+            max_steps=total, learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+            report_to="none", disable_tqdm=True, optim="adamw_torch_fused", gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, use_cpu=not cuda)
+        trainer = transformers.Trainer(build(), args, train_dataset=samples(), callbacks=[timer])
+        trainer.train()
+        times = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
+        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
     def trainer_run(compile_: bool) -> tuple[list[float], list[float]]:
         timer = Timer()
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), fsdp=True, bf16=True, torch_compile=compile_,
@@ -134,6 +176,7 @@ def worker(cli: argparse.Namespace) -> None:
     non_embedding = params - (0 if shape["tie_word_embeddings"] else shape["vocab_size"] * shape["hidden_size"])
     flops_per_step = model_flops_per_token(shape, seq, non_embedding) * seq * batch  # per GPU
     peak = peak_flops(torch.cuda.get_device_name(device) if cuda else "cpu", cli.peak_tflops)
+    runs = {"trainer": trainer_run, "raw": raw_run, "hf": hf_run}
     results: dict[str, Any] = {}
     for mode in cli.modes.split(","):
         gc.collect()  # the previous mode's model and optimizer (FSDP keeps reference cycles)
@@ -141,7 +184,13 @@ def worker(cli: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         kind, how = mode.split("_")
-        times, losses = (trainer_run if kind == "trainer" else raw_run)(how == "compile")
+        try:
+            times, losses = runs[kind](how == "compile")
+        except Exception as err:  # noqa: BLE001 - one prepared GPU run: a failing mode must not cost the others
+            results[mode] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            print(f"[gpu benchmark] mode {mode} failed on rank {rank}: {results[mode]['error']}", flush=True)
+            dist.barrier()
+            continue
         median = statistics.median(times[cli.warmup:])
         results[mode] = {
             "step_s_median": round(median, 4), "first_step_s": round(times[0], 3),
@@ -149,6 +198,9 @@ def worker(cli: argparse.Namespace) -> None:
             "mfu": round(flops_per_step / median / peak, 4) if peak else None,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else None,
             "losses": [round(loss, 5) for loss in losses]}
+        if rank == 0 and cli.progress:  # what a run cut off by its time limit still leaves
+            with open(cli.progress, "a") as progress:
+                progress.write(json.dumps({mode: results[mode]}) + "\n")
         dist.barrier()
     if rank == 0:
         Path(cli.out_file).write_text(json.dumps({
@@ -172,6 +224,7 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; tiny 2)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--progress", default=None, help="append each finished mode's JSON line to this file")
     cli = parser.parse_args()
     cli.steps = cli.steps or (3 if cli.tiny else 10)
     cli.warmup = cli.warmup if cli.warmup is not None else (1 if cli.tiny else 3)
@@ -185,9 +238,14 @@ def main() -> None:
     nproc = cli.nproc or (2 if cli.tiny else max(torch.cuda.device_count(), 1))
     args = ["--modes", cli.modes, "--steps", str(cli.steps), "--warmup", str(cli.warmup), "--seq", str(cli.seq),
             "--batch", str(cli.batch), *(["--tiny"] if cli.tiny else []),
-            *(["--peak-tflops", str(cli.peak_tflops)] if cli.peak_tflops else [])]
+            *(["--peak-tflops", str(cli.peak_tflops)] if cli.peak_tflops else []),
+            *(["--progress", str(Path(cli.progress).resolve())] if cli.progress else [])]
+    # the planner runs its own fake process group: here, before the ranks start theirs
+    planned = plan_prediction(TINY if cli.tiny else LLAMA_1B, nproc, cli.seq, cli.batch,
+                              torch.cuda.is_available() and not cli.tiny)
     result = {"benchmark": "gpu", "tiny": cli.tiny, **launch_self(Path(__file__), nproc, args, "gpu worker",
                                                                   cpu=cli.tiny)}
+    result["planned"] = planned  # beside modes.trainer_*: the same layout
     emit(result, cli.out)
 
 

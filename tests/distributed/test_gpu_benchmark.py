@@ -1,5 +1,6 @@
-"""`benchmarks/gpu.py --tiny` runs on CPU (so the GPU benchmark does not rot): all four modes train, report their
-figures, and compile does not change what eager computes (bf16, so within bf16 noise)."""
+"""`benchmarks/gpu.py --tiny` runs on CPU (so the GPU benchmark does not rot): all six modes train, report their
+figures, compile does not change what eager computes, and shardtrain's Trainer computes transformers' Trainer's
+losses (bf16 both, so within bf16 noise); the planner's prediction sits beside them."""
 
 import json
 import math
@@ -16,11 +17,17 @@ def test_gpu_benchmark_tiny_runs_every_mode(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["world_size"] == 2 and result["tiny"]
-    assert set(result["modes"]) == {"trainer_eager", "trainer_compile", "raw_eager", "raw_compile"}
+    kinds, hows = ("trainer", "raw", "hf"), ("eager", "compile")
+    assert set(result["modes"]) == {f"{kind}_{how}" for kind in kinds for how in hows}
     for mode in result["modes"].values():
         assert len(mode["losses"]) == 4 and all(math.isfinite(x) for x in mode["losses"])
         assert mode["tokens_per_s_per_gpu"] > 0 and mode["step_s_median"] > 0
         assert mode["mfu"] is None and mode["peak_memory_gib"] is None  # no CUDA, no peak FLOP/s
-    for kind in ("trainer", "raw"):
-        eager, compiled = result["modes"][f"{kind}_eager"]["losses"], result["modes"][f"{kind}_compile"]["losses"]
-        assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 0.05
+    def gap(a: str, b: str) -> float:
+        return max(abs(x - y) for x, y in zip(result["modes"][a]["losses"], result["modes"][b]["losses"], strict=True))
+
+    for kind in ("trainer", "raw", "hf"):
+        assert gap(f"{kind}_eager", f"{kind}_compile") < 0.05
+    assert gap("trainer_eager", "hf_eager") < 0.01  # both log the global batch's mean loss
+    planned = result["planned"]
+    assert planned["peak_memory_gib"] > 0 and planned["compute_s"] > 0 and "bf16" in planned["flops_rate_source"]

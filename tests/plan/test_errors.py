@@ -90,3 +90,18 @@ def test_cli_plans_for_this_machine_by_default_and_takes_launch_spelling(config_
     assert main(["plan", str(config_json), "--world-size", "2", "--batch", "2", "--seq-len", "16", "--json",
                  "--no-step-time", "--no-what-if"]) == 0
     assert json.loads(capsys.readouterr().out)["settings"]["target"] == "cpu"
+
+
+def test_torch_older_than_the_traced_step_needs_is_refused():
+    """torch 2.11 traced a 1.2B Llama's peak at 36.8 GiB where an H100 measured 20.55 GiB, torch 2.9 cannot trace
+    at all: the planner names the version and the fix instead of predicting wrong figures."""
+    from shardtrain.plan.trace import MIN_TORCH, require_torch_for_tracing
+
+    assert MIN_TORCH == (2, 13)
+    for fine in ("2.13.0+cpu", "2.13.0a0+git1234", "2.14.1", "3.0.0"):
+        require_torch_for_tracing(fine)
+    require_torch_for_tracing()  # the torch the tests run on
+    for old in ("2.11.0+cu130", "2.12.1", "2.9.0"):
+        expected = rf"torch >= 2\.13; this is torch {old.replace('+', '.')}.*set the layout by hand"
+        with pytest.raises(PlanError, match=expected):
+            require_torch_for_tracing(old)

@@ -165,7 +165,11 @@ def test_measured_compute_rate_names_its_shape_and_threads(monkeypatch):
                   what_if=False, link_gbps=1.0)
     source = result.step["flops_rate_source"]
     m, k, n = result.trace.gemm
-    assert f"{m}x{k} @ {k}x{n} matmul" in source and "1 thread(s)" in source and result.step["flops_rate"] > 0
+    assert f"fp32 {m}x{k} @ {k}x{n} matmul" in source and "1 thread(s)" in source and result.step["flops_rate"] > 0
+    # mixed precision: the rate of the dtype the step multiplies in (a GPU's bf16 rate is many times its fp32)
+    bf16 = plan(tiny_config(), fsdp_config=LAYERS, world_size=2, per_device_batch=2, seq_len=16, target="cpu",
+                what_if=False, link_gbps=1.0, bf16=True)
+    assert bf16.step["flops_rate_source"].startswith("measured here: bf16 ") and bf16.step["flops_rate"] > 0
 
 
 def test_lora_trains_the_adapters_only():

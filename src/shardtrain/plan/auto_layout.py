@@ -314,8 +314,9 @@ class AutoLayout:
         problem = None
         if backend.rank == 0:
             per_op, per_selective_op = measure_host(backend.device)
-            rates = Rates(compute_rate(self.gemm, backend.device), link.get("allgather", float("inf")), round_trip,
-                          per_op, per_selective_op, link_by_kind=link)
+            dtype = torch.bfloat16 if self.request.bf16 else torch.float32
+            rates = Rates(compute_rate(self.gemm, backend.device, dtype), link.get("allgather", float("inf")),
+                          round_trip, per_op, per_selective_op, link_by_kind=link)
             budget, source = default_budget(spec.fsdp, backend.device, spec.local_world_size or backend.world_size)
             try:
                 chosen = choose(self.candidates, budget, rates)

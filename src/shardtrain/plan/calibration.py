@@ -115,11 +115,13 @@ def measure_host(device: torch.device) -> tuple[float, float]:
     return per_op, max(extra, 0.0)
 
 
-def compute_rate(gemm: tuple[int, int, int] | None, device: torch.device) -> float:
-    """The compute rate `plan` calibrates: a matmul on the step's largest shape, on this rank's threads."""
+def compute_rate(gemm: tuple[int, int, int] | None, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> float:
+    """The compute rate `plan` calibrates: a matmul on the step's largest shape in its compute dtype, on this
+    rank's threads."""
     from shardtrain.plan.step_time import measure_flops_rate
 
     threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or None
     return measure_flops_rate("cuda" if device.type == "cuda" else "cpu", gemm or (512, 512, 512),
-                              threads if device.type == "cpu" else None)
+                              threads if device.type == "cpu" else None, dtype)
 

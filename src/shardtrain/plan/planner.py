@@ -174,11 +174,12 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
                                 ac_mode=config.ac_mode, target=target,
                                 world_size=dims.world_size, fixed=fixed)
     if estimate_step_time:
-        from shardtrain.plan.step_time import Rates, step_time
+        from shardtrain.plan.step_time import COMPUTE_DTYPES, Rates, step_time
 
         threads = None
         if target == "cpu":  # the threads one rank trains with: launchers give each of several ranks one
             threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (1 if dims.world_size > 1 else None)
         device = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
-        result.step = step_time(trace, Rates.resolve(tflops, link_gbps, device, gemm=trace.gemm, threads=threads))
+        result.step = step_time(trace, Rates.resolve(tflops, link_gbps, device, gemm=trace.gemm, threads=threads,
+                                                  dtype=COMPUTE_DTYPES.get(precision, torch.float32)))
     return result

@@ -18,6 +18,9 @@ import torch
 from shardtrain.errors import PlanError
 from shardtrain.plan.trace import StepTrace
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # mixed precision -> matmul dtype; else fp32
+
 
 def _timed(fn, min_seconds: float = 0.2) -> float:  # noqa: ANN001
     fn()  # warm-up (allocations, kernels)
@@ -29,11 +32,12 @@ def _timed(fn, min_seconds: float = 0.2) -> float:  # noqa: ANN001
 
 
 def measure_flops_rate(device: str = "cpu", gemm: tuple[int, int, int] = (512, 512, 512),
-                       threads: int | None = None) -> float:
-    """FLOP/s of an fp32 (m x k) @ (k x n) matmul on `device` with `threads` CPU threads (the calibration of the
-    compute rate: the step's own dominant matmul shape, on the threads one rank gets)."""
+                       threads: int | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of a (m x k) @ (k x n) matmul in `dtype` on `device` with `threads` CPU threads (the calibration of
+    the compute rate: the step's own dominant matmul shape, in its compute dtype, on the threads one rank gets;
+    a GPU's bf16 rate is many times its fp32 one)."""
     m, k, n = gemm
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
     before = torch.get_num_threads()
 
     def run() -> None:
@@ -71,9 +75,10 @@ class Rates:
 
     @classmethod
     def resolve(cls, tflops: float | None = None, link_gbps: float | None = None, device: str = "cpu",
-                gemm: tuple[int, int, int] | None = None, threads: int | None = None) -> Rates:
-        """Given rates win; a missing one is measured here on `device` (the compute rate on the `gemm` shape
-        with `threads` CPU threads).
+                gemm: tuple[int, int, int] | None = None, threads: int | None = None,
+                dtype: torch.dtype = torch.float32) -> Rates:
+        """Given rates win; a missing one is measured here on `device` (the compute rate on the `gemm` shape in
+        `dtype` with `threads` CPU threads).
 
         Raises:
             PlanError: a given rate <= 0.
@@ -85,8 +90,9 @@ class Rates:
             flops, flops_source = tflops * 1e12, "given (--tflops)"
         else:
             shape = gemm or (512, 512, 512)
-            flops = measure_flops_rate(device, shape, threads)
-            flops_source = (f"measured here: fp32 {shape[0]}x{shape[1]} @ {shape[1]}x{shape[2]} matmul (the step's "
+            flops = measure_flops_rate(device, shape, threads, dtype)
+            m, k, n = shape
+            flops_source = (f"measured here: {DTYPE_NAMES.get(dtype, dtype)} {m}x{k} @ {k}x{n} matmul (the step's "
                             f"largest by FLOPs) on {device}" + (f", {threads} thread(s)" if threads else ""))
         if link_gbps is not None:
             link, link_source = link_gbps * 1e9, "given (--link-gbps)"

@@ -16,6 +16,7 @@ meta-device model before it becomes fake (`with_adapters`).
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,20 @@ GATHERED = ("Unsharded Param", "All Gather")
 GRAD_BUFFERS = ("Unsharded Grad", "Reduce Scatter")
 ACTIVATION = ("Activation", "Temp", "Inputs")
 OFFLOADED = STATE_PARAM[:1] + STATE_GRAD + STATE_OPT  # on the host under cpu_offload
+# The oldest torch the traced step is checked on. Seen on older ones (session 25): torch 2.11's memory tracker put
+# the 1.2B Llama's peak at 36.8 GiB (an H100 measured 20.55 GiB, torch 2.13's trace says 20.5) and 9 of
+# tests/plan failed; torch 2.9 has no fake implementation of the c10d collectives and cannot trace at all.
+MIN_TORCH = (2, 13)
+
+
+def require_torch_for_tracing(version: str | None = None) -> None:
+    """Raise PlanError on a torch older than `MIN_TORCH`, where the traced step's figures are wrong or missing."""
+    found = version or torch.__version__
+    if tuple(int(part) for part in re.findall(r"\d+", found)[:2]) < MIN_TORCH:  # 2.13 nightlies ("2.13.0a0") pass
+        wanted = ".".join(map(str, MIN_TORCH))
+        raise PlanError(f"the planner traces the step on torch >= {wanted}; this is torch {found}, whose traced "
+                        f"memory is wrong or missing (seen on 2.11 and 2.9); plan in an environment with "
+                        f"torch >= {wanted}, or set the layout by hand")
 
 
 @dataclass(frozen=True)
@@ -259,6 +274,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     from shardtrain.train.step.optim import build_optimizer, decay_parameter_names
     from shardtrain.train.step.optimizer_step import OptimizerStep
 
+    require_torch_for_tracing()
     if dist.is_initialized():
         raise PlanError("shardtrain.plan() runs its own fake process group; call it before init_distributed() (or "
                         "run `shardtrain plan` as its own command)")
