@@ -5,7 +5,7 @@
     python benchmarks/auto_layout.py --reuse-candidates old.json --out new.json         # the picks only (~4 min)
 
 For each model (tiny, 50m; benchmarks/bench_common.py) every candidate layout the planner considers (3 shardings x
-3 activation-checkpointing modes; the loss chunk stays off on both: a 32-token vocabulary, and 128 tokens per
+3 activation-checkpointing modes, and no_shard with the whole model as one unit, AC none; the loss chunk stays off on both: a 32-token vocabulary, and 128 tokens per
 micro-batch) trains on 2 ranks (`worker.py --mode shardtrain --fsdp-json ...`, gloo, 1 thread each), its step
 time and peak RSS measured, `--repeats` times interleaved. Then `--mode shardtrain_auto` runs under two budgets:
 "ample" (this machine's memory / 2: every candidate fits) and "tight" (one byte under the predicted peak of the
@@ -35,7 +35,8 @@ sys.path.insert(0, str(HERE))
 from compare import FULL_STEPS, launch, log, machine_info  # noqa: E402
 
 SHARDINGS = {"no_shard": {"sharding_strategy": "NO_SHARD"}, "shard_grad_op": {"reshard_after_forward": False},
-             "full_shard": {"reshard_after_forward": True}}
+             "full_shard": {"reshard_after_forward": True},
+             "no_shard_one_unit": {"sharding_strategy": "NO_SHARD", "auto_wrap_policy": "NO_WRAP"}}
 AC = {"none": False, "selective": "selective", "full": True}
 
 
@@ -46,6 +47,8 @@ def candidate_runs(size: str, repeats: int, steps: tuple[int, int], tmp: Path) -
     for repeat in range(repeats):
         for sharding, sharding_keys in SHARDINGS.items():
             for ac, ac_value in AC.items():
+                if sharding == "no_shard_one_unit" and ac != "none":
+                    continue  # activation checkpointing needs per-layer units
                 name = f"{sharding}, AC {ac}, loss chunk off"
                 log(f"{size} {name} ({repeat + 1}/{repeats})")
                 keys = {**sharding_keys, "activation_checkpointing": ac_value}

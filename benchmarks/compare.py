@@ -135,6 +135,8 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "cpu_busy_percent_before_launch": [r["launch"]["cpu_busy_percent_before"] for r in ok],
         "first_step_s": [r.get("first_step_s") for r in ok],  # torch_compile compiles during the first step
     })
+    if any(r.get("layout_choice") for r in ok):  # "layout": "auto": what each launch picked
+        summary["layout_chosen"] = [(r.get("layout_choice") or {}).get("chosen") for r in ok]
     return summary
 
 

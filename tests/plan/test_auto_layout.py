@@ -56,6 +56,10 @@ def test_request_leaves_the_users_keys():
     fixed = request_for(_spec({"layout": "auto", "reshard_after_forward": False, "activation_checkpointing": False}),
                         _args(loss_chunk_size=64), data, "cpu")
     assert (fixed.choose_sharding, fixed.choose_ac, fixed.choose_loss_chunk) == (False, False, False)
+    # the whole model as one unit: offered on CPU while the wrap policy is the planner's to choose
+    assert free.choose_units and not request_for(_spec({"layout": "auto"}), _args(), data, "cuda").choose_units
+    wrapped = request_for(_spec({"layout": "auto", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}), _args(), data, "cpu")
+    assert not wrapped.choose_units
     assert not request_for(_spec({"layout": "auto"}, {"tp": 2}), _args(), data, "cpu").choose_sharding
 
 
@@ -99,3 +103,25 @@ def test_traced_op_counts():
     # full_shard on 2 ranks: per unit an all-gather in forward, one in backward and a reduce-scatter (an
     # all-to-all on gloo), whatever the checkpointing
     assert by["none"].collective_calls == by["full"].collective_calls > 0
+
+
+def test_one_unit_candidate_on_cpu():
+    """Plain data parallel with the whole model as one FSDP unit: the same peak as per-layer no_shard, fewer ops and
+    collectives (one gradient all-reduce); offered with activation checkpointing none only (AC needs units)."""
+    request = Request(world_size=2, sizes={}, per_device_batch=2, seq_len=16, gradient_accumulation_steps=1,
+                      bf16=False, target="cpu", choose_sharding=True, choose_ac=True, choose_loss_chunk=False,
+                      choose_units=True)
+    config = FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "layout": "auto"})
+    candidates = trace_candidates(tiny_llama(), config, request)[0]
+    by = {(c.sharding, c.ac): c for c in candidates}
+    assert len(candidates) == 10 and [ac for sharding, ac in by if sharding == "no_shard_one_unit"] == ["none"]
+    one, layers = by[("no_shard_one_unit", "none")], by[("no_shard", "none")]
+    assert one.peak == layers.peak and one.flops == layers.flops and one.wire_bytes == layers.wire_bytes
+    assert one.collective_calls == 2 < layers.collective_calls  # the gradients' all-reduce and the norm's
+    assert one.ops < layers.ops
+    applied = one.apply(config)
+    assert (applied.replicate_only, applied.auto_wrap_policy, applied.ac_mode) == (True, "NO_WRAP", "none")
+    # activation checkpointing set by the user: no one-unit candidate
+    checkpointed = dataclasses.replace(config, activation_checkpointing=True)
+    assert "no_shard_one_unit" not in {c.sharding for c in trace_candidates(
+        tiny_llama(), checkpointed, dataclasses.replace(request, choose_ac=False))[0]}

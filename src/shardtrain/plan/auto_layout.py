@@ -4,7 +4,8 @@
 
 The candidates are sharding (`no_shard`: plain data parallel, every rank holds the whole model;
 `shard_grad_op`: `reshard_after_forward` false; `full_shard`) x activation checkpointing (none, selective, full) x
-the loss chunk (off, "auto"), less every key the user set (those stay as given). How the choice is made:
+the loss chunk (off, "auto"), and on CPU plain data parallel with the whole model as one unit
+(`no_shard_one_unit`, AC none), less every key the user set (those stay as given). How the choice is made:
 1. rank 0 traces each candidate's step before the process group starts (`shardtrain.plan`, fake tensors: peak
    memory, FLOPs, bytes on the wire per collective kind, collective calls, ops, and the ops selective
    checkpointing's Python policy sees; the other ranks do not trace);
@@ -32,7 +33,12 @@ from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import FSDPConfigError, PlanError
 from shardtrain.plan.calibration import Rates, compute_rate, measure_host, measure_link
 
-SHARDINGS = ("no_shard", "shard_grad_op", "full_shard")
+# "no_shard_one_unit": plain data parallel with the whole model as one FSDP unit (one all-reduce per step, as one
+# DDP bucket; no per-unit hooks), offered on CPU only: there the collectives share the cores with compute, so the
+# per-layer units buy no overlap, while on a GPU they overlap the all-reduces with backward, which the sum of costs
+# below does not model. Activation checkpointing needs per-layer units, so it is offered with AC none only.
+SHARDINGS = ("no_shard", "shard_grad_op", "full_shard", "no_shard_one_unit")
+ONE_UNIT = "no_shard_one_unit"
 AC_VALUES: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
 TIE = 0.02  # predicted steps this close (relative) are a tie: the smaller peak wins
 
@@ -79,8 +85,10 @@ def layout_config(config: FSDPConfig, sharding: str | None, ac: str) -> FSDPConf
         return changed
     changed = dataclasses.replace(changed, sharding_strategy=None, replicate_only=False,
                                   reshard_after_forward=sharding == "full_shard")
-    if sharding == "no_shard":
+    if sharding in ("no_shard", ONE_UNIT):
         changed.apply_sharding_strategy("no_shard")
+    if sharding == ONE_UNIT:
+        changed = dataclasses.replace(changed, auto_wrap_policy="NO_WRAP")
     return changed
 
 
@@ -99,6 +107,7 @@ class Request:
     choose_ac: bool
     choose_loss_chunk: bool
     loss_chunk_setting: int | str | None = None
+    choose_units: bool = False  # offer no_shard_one_unit (CPU, the wrap policy not set)
 
     @property
     def tokens(self) -> int:
@@ -123,7 +132,8 @@ def request_for(spec: Any, args: Any, train_dataset: Any, device_type: str) -> R
                    bf16=spec.mixed_precision == "bf16", target="cpu" if device_type == "cpu" else "cuda",
                    choose_sharding=not ({"sharding_strategy", "reshard_after_forward"} & given) and plain_dp,
                    choose_ac="activation_checkpointing" not in given and not args.gradient_checkpointing,
-                   choose_loss_chunk=args.loss_chunk_size is None, loss_chunk_setting=args.loss_chunk_size)
+                   choose_loss_chunk=args.loss_chunk_size is None, loss_chunk_setting=args.loss_chunk_size,
+                   choose_units=device_type == "cpu" and "auto_wrap_policy" not in given)
 
 
 def _seq_len(dataset: Any, samples: int = 64) -> int:
@@ -149,21 +159,23 @@ def trace_candidates(model: Any, config: FSDPConfig, request: Request
     from shardtrain.plan.memory import device_peak
     from shardtrain.plan.planner import plan
 
-    shardings = [s for s in SHARDINGS if s != "no_shard" or request.world_size > 1] if request.choose_sharding \
-        else [None]
+    offered = {"no_shard": request.world_size > 1,  # one rank: nothing to replicate over
+               ONE_UNIT: request.world_size > 1 and request.choose_units
+               and (request.choose_ac or config.ac_mode == "none")}
+    shardings = [s for s in SHARDINGS if offered.get(s, True)] if request.choose_sharding else [None]
     chunks = [None, "auto"] if request.choose_loss_chunk and _chunking_helps(model, request) \
         else [None if request.choose_loss_chunk else request.loss_chunk_setting]
     found: dict[tuple[str, str, int], Candidate] = {}
     gemm = None
     manual = dataclasses.replace(config, layout=None, max_memory_per_rank=None)
     for sharding, chunk in itertools.product(shardings, chunks):
-        base = layout_config(manual, sharding, manual.ac_mode)
+        base = layout_config(manual, sharding, "none" if sharding == ONE_UNIT else manual.ac_mode)
         try:
             result = plan(model, fsdp_config=base, world_size=request.world_size, **request.sizes,
                           per_device_batch=request.per_device_batch, seq_len=request.seq_len,
                           gradient_accumulation_steps=request.gradient_accumulation_steps, bf16=request.bf16,
                           target=request.target, loss_chunk_size=chunk, estimate_step_time=False,
-                          what_if=request.choose_ac)
+                          what_if=request.choose_ac and sharding != ONE_UNIT)
         except PlanError as err:
             raise FSDPConfigError(f"fsdp_config 'layout': \"auto\" could not plan this run: {err}; set the layout "
                                   "by hand ('layout': \"manual\")") from None
