@@ -4,10 +4,11 @@
     python benchmarks/auto_layout.py --sizes tiny --out /tmp/auto_tiny.json             # ~3 min
     python benchmarks/auto_layout.py --reuse-candidates old.json --out new.json         # the picks only (~4 min)
 
-For each model (tiny, 50m; benchmarks/bench_common.py) every candidate layout the planner considers (3 shardings x
-3 activation-checkpointing modes, and no_shard with the whole model as one unit, AC none; the loss chunk stays off on both: a 32-token vocabulary, and 128 tokens per
-micro-batch) trains on 2 ranks (`worker.py --mode shardtrain --fsdp-json ...`, gloo, 1 thread each), its step
-time and peak RSS measured, `--repeats` times interleaved. Then `--mode shardtrain_auto` runs under two budgets:
+For each model (tiny, 50m; benchmarks/bench_common.py) every candidate layout the planner considers (3 shardings x 3
+activation-checkpointing modes, and no_shard with the whole model as one unit, AC none; the loss chunk stays off on
+both: a 32-token vocabulary, and 128 tokens per micro-batch) trains on 2 ranks (`worker.py --mode shardtrain
+--fsdp-json ...`, gloo, 1 thread each), its step time and peak RSS measured, `--repeats` times interleaved. Then
+`--mode shardtrain_auto` runs under two budgets:
 "ample" (this machine's memory / 2: every candidate fits) and "tight" (one byte under the predicted peak of the
 default layout, full_shard without checkpointing: only checkpointed layouts fit). Per (model, budget) it checks:
 - the pick fits: its predicted peak <= the budget (the planner's peak; benchmarks/plan_validation.py measures how
