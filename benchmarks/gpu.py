@@ -75,6 +75,36 @@ def plan_prediction(shape: dict[str, Any], world: int, seq: int, batch: int, cud
             "flops_rate_source": step.get("flops_rate_source"), "traced_flops": step.get("flops")}
 
 
+class StepProfiler:
+    """`torch.profiler` over steps [first, first + count) of a run (0-based, after the timed steps): per-step device (or CPU) busy time of
+    the kernels and the top ops, kept for the mode's JSON entry. count 0: nothing."""
+
+    def __init__(self, first: int, count: int, cuda: bool) -> None:
+        self.first, self.count, self.cuda = first, count, cuda
+        self.profiler: Any = None
+        self.summary: dict[str, Any] | None = None
+
+    def before(self, step: int) -> None:
+        if self.count and step == self.first:
+            import torch.profiler as tp
+
+            kinds = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = tp.profile(activities=kinds)
+            self.profiler.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.profiler is None or step != self.first + self.count - 1:
+            return
+        self.profiler.__exit__(None, None, None)
+        events = self.profiler.key_averages()
+        key = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+        busy = sum(getattr(e, key) for e in events if not self.cuda or e.device_type.name == "CUDA")
+        self.summary = {"steps": self.count, "busy_ms_per_step": round(busy / 1e3 / self.count, 2),
+                        "busy_of": "CUDA kernels" if self.cuda else "CPU ops (self time)",
+                        "top_ops": events.table(sort_by=key, row_limit=20, max_name_column_width=60)}
+        self.profiler = None
+
+
 def worker(cli: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -88,7 +118,8 @@ def worker(cli: argparse.Namespace) -> None:
     init_distributed()
     rank, world, device = dist.get_rank(), dist.get_world_size(), current_device()
     shape = TINY if cli.tiny else LLAMA_1B
-    seq, batch, total = cli.seq, cli.batch, cli.warmup + cli.steps
+    seq, batch = cli.seq, cli.batch
+    total = cli.warmup + cli.steps + cli.profile_steps  # profiled steps come last: the timed ones run unprofiled
     cuda = device.type == "cuda"
 
     def build() -> torch.nn.Module:
@@ -100,7 +131,10 @@ def worker(cli: argparse.Namespace) -> None:
         return [{"input_ids": ids, "labels": ids} for ids in
                 torch.randint(0, shape["vocab_size"], (total * batch * world, seq), generator=gen)]
 
-    def raw_run(compile_: bool) -> tuple[list[float], list[float]]:
+    def profiler() -> StepProfiler:
+        return StepProfiler(cli.warmup + cli.steps, cli.profile_steps, cuda)
+
+    def raw_run(compile_: bool) -> tuple[list[float], list[float], StepProfiler]:
         model = build().to(device)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for index, layer in enumerate(model.model.layers):
@@ -116,8 +150,9 @@ def worker(cli: argparse.Namespace) -> None:
                     module.set_force_sum_reduction_for_comms(True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         data = samples()[rank::world]
-        times, losses = [], []
+        times, losses, prof = [], [], profiler()
         for step in range(total):
+            prof.before(step)
             started = time.perf_counter()
             ids = torch.stack([s["input_ids"] for s in data[step * batch:(step + 1) * batch]]).to(device)
             loss = model(input_ids=ids, labels=ids).loss
@@ -127,13 +162,16 @@ def worker(cli: argparse.Namespace) -> None:
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())  # syncs the device: the step is done
             times.append(time.perf_counter() - started)
-        return times, losses
+            prof.after(step)
+        return times, losses, prof
 
     class Timer(TrainerCallback):
         def __init__(self) -> None:
             self.marks: list[float] = []
+            self.prof = profiler()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self.prof.before(state.global_step)
             if not self.marks:
                 self.marks.append(time.perf_counter())
 
@@ -141,6 +179,7 @@ def worker(cli: argparse.Namespace) -> None:
             if cuda:
                 torch.cuda.synchronize()
             self.marks.append(time.perf_counter())
+            self.prof.after(state.global_step - 1)  # on_step_end comes after the step count moved on
 
     def hf_run(compile_: bool) -> tuple[list[float], list[float]]:
         import transformers
@@ -154,7 +193,7 @@ def worker(cli: argparse.Namespace) -> None:
         trainer = transformers.Trainer(build(), args, train_dataset=samples(), callbacks=[timer])
         trainer.train()
         times = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
-        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e], timer.prof
 
     def trainer_run(compile_: bool) -> tuple[list[float], list[float]]:
         timer = Timer()
@@ -167,7 +206,7 @@ def worker(cli: argparse.Namespace) -> None:
         trainer = Trainer(build(), args, train_dataset=samples(), callbacks=[timer])
         trainer.train()
         times = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
-        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e], timer.prof
 
     with torch.device("meta"):
         meta = build()
@@ -185,19 +224,21 @@ def worker(cli: argparse.Namespace) -> None:
             torch.cuda.reset_peak_memory_stats(device)
         kind, how = mode.split("_")
         try:
-            times, losses = runs[kind](how == "compile")
+            times, losses, prof = runs[kind](how == "compile")
         except Exception as err:  # noqa: BLE001 - one prepared GPU run: a failing mode must not cost the others
             results[mode] = {"error": f"{type(err).__name__}: {err}"[:2000]}
             print(f"[gpu benchmark] mode {mode} failed on rank {rank}: {results[mode]['error']}", flush=True)
             dist.barrier()
             continue
-        median = statistics.median(times[cli.warmup:])
+        median = statistics.median(times[cli.warmup:cli.warmup + cli.steps])
         results[mode] = {
             "step_s_median": round(median, 4), "first_step_s": round(times[0], 3),
             "tokens_per_s_per_gpu": round(seq * batch / median, 1),
             "mfu": round(flops_per_step / median / peak, 4) if peak else None,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if cuda else None,
             "losses": [round(loss, 5) for loss in losses]}
+        if prof.summary is not None:
+            results[mode]["profile"] = prof.summary
         if rank == 0 and cli.progress:  # what a run cut off by its time limit still leaves
             with open(cli.progress, "a") as progress:
                 progress.write(json.dumps({mode: results[mode]}) + "\n")
@@ -224,6 +265,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; tiny 2)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="torch.profiler over this many more steps after the timed ones; per mode: busy time per step and "
+                             "the top ops")
     parser.add_argument("--progress", default=None, help="append each finished mode's JSON line to this file")
     cli = parser.parse_args()
     cli.steps = cli.steps or (3 if cli.tiny else 10)
@@ -239,7 +283,8 @@ def main() -> None:
     args = ["--modes", cli.modes, "--steps", str(cli.steps), "--warmup", str(cli.warmup), "--seq", str(cli.seq),
             "--batch", str(cli.batch), *(["--tiny"] if cli.tiny else []),
             *(["--peak-tflops", str(cli.peak_tflops)] if cli.peak_tflops else []),
-            *(["--progress", str(Path(cli.progress).resolve())] if cli.progress else [])]
+            *(["--progress", str(Path(cli.progress).resolve())] if cli.progress else []),
+            "--profile-steps", str(cli.profile_steps)]
     # the planner runs its own fake process group: here, before the ranks start theirs
     planned = plan_prediction(TINY if cli.tiny else LLAMA_1B, nproc, cli.seq, cli.batch,
                               torch.cuda.is_available() and not cli.tiny)
