@@ -76,8 +76,8 @@ def plan_prediction(shape: dict[str, Any], world: int, seq: int, batch: int, cud
 
 
 class StepProfiler:
-    """`torch.profiler` over steps [first, first + count) of a run (0-based, after the timed steps): per-step device (or CPU) busy time of
-    the kernels and the top ops, kept for the mode's JSON entry. count 0: nothing."""
+    """`torch.profiler` over steps [first, first + count) of a run (0-based, after the timed steps): per-step
+    device (or CPU) busy time of the kernels and the top ops, kept for the mode's JSON entry. count 0: nothing."""
 
     def __init__(self, first: int, count: int, cuda: bool) -> None:
         self.first, self.count, self.cuda = first, count, cuda
@@ -266,8 +266,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: every GPU; tiny 2)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile-steps", type=int, default=0,
-                        help="torch.profiler over this many more steps after the timed ones; per mode: busy time per step and "
-                             "the top ops")
+                        help="torch.profiler over this many more steps after the timed ones; per mode: busy time "
+                             "per step and the top ops")
     parser.add_argument("--progress", default=None, help="append each finished mode's JSON line to this file")
     cli = parser.parse_args()
     cli.steps = cli.steps or (3 if cli.tiny else 10)
