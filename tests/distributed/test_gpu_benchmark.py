@@ -12,7 +12,8 @@ from launch import REPO, worker_env
 
 def test_gpu_benchmark_tiny_runs_every_mode(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--tiny", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--tiny", "--profile-steps", "1",
+                           "--out", str(out)],
                           env=worker_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -20,9 +21,12 @@ def test_gpu_benchmark_tiny_runs_every_mode(tmp_path):
     kinds, hows = ("trainer", "raw", "hf"), ("eager", "compile")
     assert set(result["modes"]) == {f"{kind}_{how}" for kind in kinds for how in hows}
     for mode in result["modes"].values():
-        assert len(mode["losses"]) == 4 and all(math.isfinite(x) for x in mode["losses"])
+        assert len(mode["losses"]) == 5 and all(math.isfinite(x) for x in mode["losses"])  # 1 + 3 timed + 1 profiled
+        assert mode["profile"]["steps"] == 1 and mode["profile"]["busy_ms_per_step"] > 0
+        assert "aten::mm" in mode["profile"]["top_ops"]
         assert mode["tokens_per_s_per_gpu"] > 0 and mode["step_s_median"] > 0
         assert mode["mfu"] is None and mode["peak_memory_gib"] is None  # no CUDA, no peak FLOP/s
+
     def gap(a: str, b: str) -> float:
         return max(abs(x - y) for x, y in zip(result["modes"][a]["losses"], result["modes"][b]["losses"], strict=True))
 
