@@ -92,6 +92,18 @@ def test_predicted_step_adds_every_cost():
     assert candidate.step_s(rates) == pytest.approx(0.1 + 0.1 + 0.01 + 0.01 + 0.01)
 
 
+def test_gradient_reductions_overlap_all_but_the_last_unit():
+    """Of n units' gradient reductions (reduce-scatter, all-reduce) the last one's share is exposed; all-gathers
+    are not hidden."""
+    rates = Rates(flops_per_s=1.0, link_bytes_per_s=1.0)
+    wire = {"allgather": 100, "reduce_scatter": 80, "allreduce": 40}
+    one = Candidate(sharding="full_shard", ac="none", loss_chunk=0, peak=0, flops=0, wire_bytes=220,
+                    wire_by_kind=wire)
+    four = dataclasses.replace(one, units=4)
+    assert one.step_s(rates) == pytest.approx(220)
+    assert four.step_s(rates) == pytest.approx(100 + (80 + 40) / 4)
+
+
 def test_traced_op_counts():
     """The trace counts ops, collectives and the ops selective checkpointing's policy sees (its host costs)."""
     request = Request(world_size=2, sizes={}, per_device_batch=2, seq_len=16, gradient_accumulation_steps=1,
@@ -118,6 +130,10 @@ def test_one_unit_candidate_on_cpu():
     one, layers = by[("no_shard_one_unit", "none")], by[("no_shard", "none")]
     assert one.peak == layers.peak and one.flops == layers.flops and one.wire_bytes == layers.wire_bytes
     assert one.collective_calls == 2 < layers.collective_calls  # the gradients' all-reduce and the norm's
+    assert (one.units, layers.units) == (1, 3)  # the root; with 2 decoder layers of their own
+    # its all-reduce is exposed whole, the per-layer one's only a third: the same bytes, one predicted slower on it
+    rates = Rates(flops_per_s=1e12, link_bytes_per_s=1e6)
+    assert one.step_s(rates) > layers.step_s(rates)
     assert one.ops < layers.ops
     applied = one.apply(config)
     assert (applied.replicate_only, applied.auto_wrap_policy, applied.ac_mode) == (True, "NO_WRAP", "none")

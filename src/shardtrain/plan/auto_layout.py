@@ -12,9 +12,10 @@ the loss chunk (off, "auto"), and on CPU plain data parallel with the whole mode
 2. with the process group up, every rank takes part in timing real collectives on the run's backend (per kind:
    gloo's all-reduce moves bytes ~2x faster than its all-gather; and a tiny one's round trip), and rank 0 times its
    matmul rate and its host time per op, plainly and under the selective policy (`plan.calibration`);
-3. rank 0 predicts each step as the sum of those costs (nothing overlapped), keeps the candidates whose predicted
-   peak fits the budget and picks the fastest; predictions within 2 % of each other count as a tie, which goes to
-   the smaller peak. It broadcasts its pick, and prints the table.
+3. rank 0 predicts each step as the sum of those costs (only the gradient reductions overlap the backward, all
+   but the last unit's), keeps the candidates whose predicted peak fits the budget and picks the fastest;
+   predictions within 2 % of each other count as a tie, which goes to the smaller peak. It broadcasts its pick,
+   and prints the table.
 The budget is `max_memory_per_rank`, else the accelerator's memory, else (CPU) the machine's memory shared by the
 node's ranks. Every layout gives the same losses (the exactness tests hold for each).
 """
@@ -34,12 +35,13 @@ from shardtrain.errors import FSDPConfigError, PlanError
 from shardtrain.plan.calibration import Rates, compute_rate, measure_host, measure_link
 
 # "no_shard_one_unit": plain data parallel with the whole model as one FSDP unit (one all-reduce per step, as one
-# DDP bucket; no per-unit hooks), offered on CPU only: there the collectives share the cores with compute, so the
-# per-layer units buy no overlap, while on a GPU they overlap the all-reduces with backward, which the sum of costs
-# below does not model. Activation checkpointing needs per-layer units, so it is offered with AC none only.
+# DDP bucket, nothing of it overlapped; no per-unit hooks): offered on CPU, where it was measured (a 0.8M Llama: 34 ms
+# against 49 per layer; 50M: 924 against 716); not on GPUs, where it has not been. Activation checkpointing needs
+# per-layer units, so it comes with AC none only.
 SHARDINGS = ("no_shard", "shard_grad_op", "full_shard", "no_shard_one_unit")
 ONE_UNIT = "no_shard_one_unit"
 AC_VALUES: dict[str, bool | str] = {"none": False, "selective": "selective", "full": True}
+BACKWARD_REDUCTIONS = ("reduce_scatter", "allreduce")  # gradient reductions (the norm's all-reduce is 8 bytes)
 TIE = 0.02  # predicted steps this close (relative) are a tie: the smaller peak wins
 
 
@@ -57,6 +59,7 @@ class Candidate:
     collective_calls: int = 0
     selective_ops: int = 0
     wire_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+    units: int = 1  # FSDP units, the root included
 
     @property
     def name(self) -> str:
@@ -65,10 +68,14 @@ class Candidate:
 
     def step_s(self, rates: Rates) -> float:
         """Predicted seconds per step: compute, bytes on the wire, a round trip per collective, host time per op
-        (more under selective checkpointing's Python policy); none of it overlapped."""
+        (more under selective checkpointing's Python policy). Only the gradient reductions overlap: FSDP2 issues
+        each unit's reduce-scatter / all-reduce without waiting for it while the backward goes on (on GPUs in its
+        own stream, on gloo in the backend's thread), so of n units' reductions the last one's share, 1/n, is
+        exposed (measured on the 50M Llama here: no_shard per layer 716 ms a step, as one unit 924 ms)."""
         wire = self.wire_by_kind or {"other": self.wire_bytes}
+        exposed = {kind: 1 / max(self.units, 1) for kind in BACKWARD_REDUCTIONS}
         return (self.flops / rates.flops_per_s
-                + sum(sent / rates.link_rate(kind) for kind, sent in wire.items())
+                + sum(sent * exposed.get(kind, 1.0) / rates.link_rate(kind) for kind, sent in wire.items())
                 + self.collective_calls * rates.s_per_collective + self.ops * rates.s_per_op
                 + self.selective_ops * rates.s_per_selective_op)
 
@@ -191,7 +198,7 @@ def trace_candidates(model: Any, config: FSDPConfig, request: Request
                                        peak=device_peak(trace, base.cpu_offload, request.target),
                                        flops=trace.flops, wire_bytes=trace.wire_bytes, ops=trace.ops,
                                        collective_calls=trace.collective_calls, selective_ops=trace.selective_ops,
-                                       wire_by_kind=dict(trace.wire_by_kind))
+                                       wire_by_kind=dict(trace.wire_by_kind), units=len(trace.units))
     return list(found.values()), gemm
 
 
@@ -244,6 +251,7 @@ class Choice:
                 "candidates": [{"name": c.name, "sharding": c.sharding, "activation_checkpointing": c.ac,
                                 "loss_chunk": c.loss_chunk, "predicted_peak_bytes": c.peak, "ops": c.ops,
                                 "collective_calls": c.collective_calls, "selective_ops": c.selective_ops,
+                                "units": c.units,
                                 "predicted_step_s": self.step_s(c), "fits": c.peak <= self.budget}
                                for c in self.candidates]}
 
