@@ -39,6 +39,8 @@ LLAMA_1B = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192
 TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True, "max_position_embeddings": 128}
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}  # dense
+# the trainer modes' layout, and what the planner is asked to predict
+TRAINER_FSDP_CONFIG = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "activation_checkpointing": True}
 MODES = ("trainer_eager", "hf_eager", "raw_eager", "trainer_compile", "raw_compile", "hf_compile")  # first: most asked
 
 
@@ -61,10 +63,9 @@ def plan_prediction(shape: dict[str, Any], world: int, seq: int, batch: int, cud
     from shardtrain.plan import plan
 
     try:
-        result = plan(LlamaConfig(**shape), fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                                         "activation_checkpointing": True},
-                      world_size=world, per_device_batch=batch, seq_len=seq, bf16=True,
-                      target="cuda" if cuda else "cpu", what_if=False)
+        result = plan(LlamaConfig(**shape), fsdp_config=TRAINER_FSDP_CONFIG, world_size=world,
+                      per_device_batch=batch, seq_len=seq, bf16=True, target="cuda" if cuda else "cpu",
+                      what_if=False)
     except PlanError as err:  # e.g. an older torch on the GPU machine: the benchmark itself still runs
         return {"error": str(err)}
     step = result.step or {}
@@ -181,32 +182,28 @@ def worker(cli: argparse.Namespace) -> None:
             self.marks.append(time.perf_counter())
             self.prof.after(state.global_step - 1)  # on_step_end comes after the step count moved on
 
-    def hf_run(compile_: bool) -> tuple[list[float], list[float]]:
+    def run_trainer(trainer_cls: Any, args_cls: Any, compile_: bool, **settings: Any
+                    ) -> tuple[list[float], list[float], StepProfiler]:
+        """A Trainer run with this benchmark's common arguments plus `settings`: step times, logged losses."""
+        timer = Timer()
+        args = args_cls(output_dir=tempfile.mkdtemp(), bf16=True, torch_compile=compile_,
+                        per_device_train_batch_size=batch, max_steps=total, learning_rate=1e-4,
+                        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+                        disable_tqdm=True, **settings)
+        trainer = trainer_cls(build(), args, train_dataset=samples(), callbacks=[timer])
+        trainer.train()
+        times = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
+        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e], timer.prof
+
+    def hf_run(compile_: bool) -> tuple[list[float], list[float], StepProfiler]:
         import transformers
 
-        timer = Timer()
-        args = transformers.TrainingArguments(
-            output_dir=tempfile.mkdtemp(), bf16=True, torch_compile=compile_, per_device_train_batch_size=batch,
-            max_steps=total, learning_rate=1e-4, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-            report_to="none", disable_tqdm=True, optim="adamw_torch_fused", gradient_checkpointing=True,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, use_cpu=not cuda)
-        trainer = transformers.Trainer(build(), args, train_dataset=samples(), callbacks=[timer])
-        trainer.train()
-        times = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
-        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e], timer.prof
+        return run_trainer(transformers.Trainer, transformers.TrainingArguments, compile_,
+                           optim="adamw_torch_fused", gradient_checkpointing=True,
+                           gradient_checkpointing_kwargs={"use_reentrant": False}, use_cpu=not cuda)
 
-    def trainer_run(compile_: bool) -> tuple[list[float], list[float]]:
-        timer = Timer()
-        args = TrainingArguments(output_dir=tempfile.mkdtemp(), fsdp=True, bf16=True, torch_compile=compile_,
-                                 per_device_train_batch_size=batch, max_steps=total, learning_rate=1e-4,
-                                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-                                 report_to="none", disable_tqdm=True,
-                                 fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                              "activation_checkpointing": True})
-        trainer = Trainer(build(), args, train_dataset=samples(), callbacks=[timer])
-        trainer.train()
-        times = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
-        return times, [e["loss"] for e in trainer.state.log_history if "loss" in e], timer.prof
+    def trainer_run(compile_: bool) -> tuple[list[float], list[float], StepProfiler]:
+        return run_trainer(Trainer, TrainingArguments, compile_, fsdp=True, fsdp_config=dict(TRAINER_FSDP_CONFIG))
 
     with torch.device("meta"):
         meta = build()
