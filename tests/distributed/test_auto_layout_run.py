@@ -1,6 +1,6 @@
 """`fsdp_config` "layout": "auto" on 2 ranks: the planner's pick is the fastest predicted layout that fits the budget,
 the run applies it, and it trains with the default layout's losses (GPT-2 with dropout and tied embeddings, padded
-samples); "auto" is refused with a clear error once a process group exists."""
+samples); once a process group exists "auto" traces in a fresh process, with the same candidates."""
 
 import json
 from pathlib import Path
@@ -50,9 +50,13 @@ def test_losses_equal_the_default_layout(result):
     assert len(result["losses"]) == 4 and len(set(result["losses"])) > 1
 
 
-def test_refused_once_a_process_group_exists(result):
-    assert "before the process group starts" in result["refused"]
-    assert "set the layout by hand" in result["refused"]
+def test_after_the_process_group_started_the_fresh_process_traces_the_same_candidates(result):
+    """The second auto run starts with the process group up (as TRL's trainers do): rank 0 traces in a fresh
+    process that rebuilds the model from its config; the traces are deterministic, so they match the first run's."""
+    traced = ("name", "predicted_peak_bytes", "ops", "collective_calls", "selective_ops", "units")
+    first, started = result["choice"]["candidates"], result["started_choice"]["candidates"]
+    assert [{k: c[k] for k in traced} for c in started] == [{k: c[k] for k in traced} for c in first]
+    assert result["started_losses"] == pytest.approx(result["default_losses"], abs=1e-6, rel=0)
 
 
 def test_no_layout_fits_stops_every_rank_before_training(tmp_path):

@@ -16,9 +16,10 @@ def runs(tmp_path_factory):
     return reference_and_two_ranks(WORKER, tmp_path_factory.mktemp("trl"), "trl")
 
 
-@pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo", "dpo_path", "dpo_path_meta"])
+@pytest.mark.parametrize("case", ["sft", "sft_packed", "dpo", "dpo_path", "dpo_path_meta", "sft_auto"])
 def test_two_ranks_equal_trl_on_one_process(runs, case):
-    ours, ref = read_json(runs / "ours" / f"{case}.json"), read_json(runs / "trl" / f"{case}.json")
+    reference = {"sft_auto": "sft"}.get(case, case)  # any layout trains alike
+    ours, ref = read_json(runs / "ours" / f"{case}.json"), read_json(runs / "trl" / f"{reference}.json")
     assert len(ours["losses"]) == len(ref["losses"]) >= 3
     assert ours["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5)
@@ -28,6 +29,13 @@ def test_two_ranks_equal_trl_on_one_process(runs, case):
     assert ours["num_tokens"] == ref["num_tokens"]
     if "eval_loss" in ref:
         assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], abs=1e-5)
+
+
+def test_auto_layout_under_trls_process_group_picks_a_layout(runs):
+    """TRL starts the process group before the Trainer; "auto" traced in a fresh process and chose (the losses:
+    test_two_ranks_equal_trl_on_one_process[sft_auto])."""
+    layout = read_json(runs / "ours" / "sft_auto.json")["layout"]
+    assert layout.split(",")[0] in ("no_shard", "shard_grad_op", "full_shard", "no_shard_one_unit")
 
 
 def test_packed_rows_keep_documents_apart(runs):

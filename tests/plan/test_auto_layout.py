@@ -5,6 +5,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tiny_models import tiny_llama
 
 from shardtrain.config.fsdp_config import FSDPConfig
@@ -63,6 +64,16 @@ def test_request_leaves_the_users_keys():
     assert not request_for(_spec({"layout": "auto"}, {"tp": 2}), _args(), data, "cpu").choose_sharding
 
 
+@pytest.mark.parametrize(("precision", "dtype"), [("no", torch.float32), ("bf16", torch.bfloat16),
+                                                  ("fp16", torch.float16)])
+def test_request_times_matmuls_in_the_runs_compute_dtype(precision, dtype):
+    """As `plan` does (`step_time.COMPUTE_DTYPES`): an fp16 run's rate is an fp16 matmul's, not fp32's."""
+    spec = _spec({"layout": "auto"})
+    spec.mixed_precision = precision
+    request = request_for(spec, _args(), [{"input_ids": [1] * 4}], "cpu")
+    assert (request.mixed_precision, request.compute_dtype) == (precision, dtype)
+
+
 def test_request_needs_input_ids():
     with pytest.raises(FSDPConfigError, match="reads the sequence length from the train dataset's 'input_ids'"):
         request_for(_spec({"layout": "auto"}), _args(), [{"pixel_values": [0.0]}], "cpu")
@@ -70,7 +81,7 @@ def test_request_needs_input_ids():
 
 def test_traced_candidates_of_a_tiny_llama():
     request = Request(world_size=2, sizes={}, per_device_batch=2, seq_len=16, gradient_accumulation_steps=1,
-                      bf16=False, target="cpu", choose_sharding=True, choose_ac=False, choose_loss_chunk=True)
+                      mixed_precision="no", target="cpu", choose_sharding=True, choose_ac=False, choose_loss_chunk=True)
     config = FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "layout": "auto"})
     candidates, gemm = trace_candidates(tiny_llama(), config, request)
     by = {c.sharding: c for c in candidates}
@@ -107,7 +118,8 @@ def test_gradient_reductions_overlap_all_but_the_last_unit():
 def test_traced_op_counts():
     """The trace counts ops, collectives and the ops selective checkpointing's policy sees (its host costs)."""
     request = Request(world_size=2, sizes={}, per_device_batch=2, seq_len=16, gradient_accumulation_steps=1,
-                      bf16=False, target="cpu", choose_sharding=False, choose_ac=True, choose_loss_chunk=False)
+                      mixed_precision="no", target="cpu", choose_sharding=False, choose_ac=True,
+                      choose_loss_chunk=False)
     config = FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "layout": "auto"})
     by = {c.ac: c for c in trace_candidates(tiny_llama(), config, request)[0]}
     assert by["none"].selective_ops == by["full"].selective_ops == 0 < by["selective"].selective_ops
@@ -121,7 +133,7 @@ def test_one_unit_candidate_on_cpu():
     """Plain data parallel with the whole model as one FSDP unit: the same peak as per-layer no_shard, fewer ops and
     collectives (one gradient all-reduce); offered with activation checkpointing none only (AC needs units)."""
     request = Request(world_size=2, sizes={}, per_device_batch=2, seq_len=16, gradient_accumulation_steps=1,
-                      bf16=False, target="cpu", choose_sharding=True, choose_ac=True, choose_loss_chunk=False,
+                      mixed_precision="no", target="cpu", choose_sharding=True, choose_ac=True, choose_loss_chunk=False,
                       choose_units=True)
     config = FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "layout": "auto"})
     candidates = trace_candidates(tiny_llama(), config, request)[0]

@@ -8,7 +8,8 @@ the loss chunk (off, "auto"), and on CPU plain data parallel with the whole mode
 (`no_shard_one_unit`, AC none), less every key the user set (those stay as given). How the choice is made:
 1. rank 0 traces each candidate's step before the process group starts (`shardtrain.plan`, fake tensors: peak
    memory, FLOPs, bytes on the wire per collective kind, collective calls, ops, and the ops selective
-   checkpointing's Python policy sees; the other ranks do not trace);
+   checkpointing's Python policy sees; the other ranks do not trace); where the process group is already up (TRL's
+   trainers start it first), in a fresh process that rebuilds the model from its config (`plan.fresh_process`);
 2. with the process group up, every rank takes part in timing real collectives on the run's backend (per kind:
    gloo's all-reduce moves bytes ~2x faster than its all-gather; and a tiny one's round trip), and rank 0 times its
    matmul rate and its host time per op, plainly and under the selective policy (`plan.calibration`);
@@ -108,13 +109,20 @@ class Request:
     per_device_batch: int
     seq_len: int
     gradient_accumulation_steps: int
-    bf16: bool
+    mixed_precision: str  # the run's: "bf16", "fp16" or "no"
     target: str
     choose_sharding: bool
     choose_ac: bool
     choose_loss_chunk: bool
     loss_chunk_setting: int | str | None = None
     choose_units: bool = False  # offer no_shard_one_unit (CPU, the wrap policy not set)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The matmuls' dtype under the run's mixed precision (what the compute rate is timed in, as `plan`)."""
+        from shardtrain.plan.step_time import COMPUTE_DTYPES
+
+        return COMPUTE_DTYPES.get(self.mixed_precision, torch.float32)
 
     @property
     def tokens(self) -> int:
@@ -136,7 +144,7 @@ def request_for(spec: Any, args: Any, train_dataset: Any, device_type: str) -> R
         and not config.hybrid
     return Request(world_size=spec.world_size, sizes=sizes, per_device_batch=args.per_device_train_batch_size,
                    seq_len=_seq_len(train_dataset), gradient_accumulation_steps=args.gradient_accumulation_steps,
-                   bf16=spec.mixed_precision == "bf16", target="cpu" if device_type == "cpu" else "cuda",
+                   mixed_precision=spec.mixed_precision, target="cpu" if device_type == "cpu" else "cuda",
                    choose_sharding=not ({"sharding_strategy", "reshard_after_forward"} & given) and plain_dp,
                    choose_ac="activation_checkpointing" not in given and not args.gradient_checkpointing,
                    choose_loss_chunk=args.loss_chunk_size is None, loss_chunk_setting=args.loss_chunk_size,
@@ -174,13 +182,15 @@ def trace_candidates(model: Any, config: FSDPConfig, request: Request
         else [None if request.choose_loss_chunk else request.loss_chunk_setting]
     found: dict[tuple[str, str, int], Candidate] = {}
     gemm = None
-    manual = dataclasses.replace(config, layout=None, max_memory_per_rank=None)
+    # the run's mixed precision (bf16 or fp16, from TrainingArguments or fsdp_config) as plan() reads it
+    precision = None if request.mixed_precision == "no" else request.mixed_precision
+    manual = dataclasses.replace(config, layout=None, max_memory_per_rank=None, mixed_precision=precision)
     for sharding, chunk in itertools.product(shardings, chunks):
         base = layout_config(manual, sharding, "none" if sharding == ONE_UNIT else manual.ac_mode)
         try:
             result = plan(model, fsdp_config=base, world_size=request.world_size, **request.sizes,
                           per_device_batch=request.per_device_batch, seq_len=request.seq_len,
-                          gradient_accumulation_steps=request.gradient_accumulation_steps, bf16=request.bf16,
+                          gradient_accumulation_steps=request.gradient_accumulation_steps,
                           target=request.target, loss_chunk_size=chunk, estimate_step_time=False,
                           what_if=request.choose_ac and sharding != ONE_UNIT)
         except PlanError as err:
@@ -303,11 +313,13 @@ class AutoLayout:
 
     @classmethod
     def before_start(cls, spec: Any, args: Any, model: Any, train_dataset: Any) -> AutoLayout:
-        """Trace the candidates on rank 0 (the launcher's RANK); the other ranks only read the request.
+        """Trace the candidates on rank 0 (the launcher's RANK, or the started process group's rank); the other
+        ranks only read the request.
 
         Raises:
-            FSDPConfigError: no model to plan, no sequence length, a process group already started, or a run the
-                planner cannot trace.
+            FSDPConfigError: no model to plan, no sequence length, a run the planner cannot trace, or (process
+                group already started: traced in a fresh process, `plan.fresh_process`) a model that process
+                cannot rebuild.
         """
         import torch.distributed as dist
 
@@ -316,14 +328,16 @@ class AutoLayout:
         if model is None or isinstance(model, str | os.PathLike) and not os.path.isdir(model):
             raise FSDPConfigError("fsdp_config 'layout': \"auto\" plans the model passed to Trainer(model=...); "
                                   "with model_init (or a hub name) set the layout by hand ('layout': \"manual\")")
-        if dist.is_initialized():
-            raise FSDPConfigError("fsdp_config 'layout': \"auto\" traces the step before the process group "
-                                  "starts, and this process started one before the Trainer; create the Trainer "
-                                  "first, or set the layout by hand (`shardtrain plan` predicts each one)")
         request = request_for(spec, args, train_dataset, device_type())
-        if int(os.environ.get("RANK", "0")) != 0:
+        started = dist.is_initialized()  # e.g. TRL's trainers: the planner's fake group cannot join this process
+        if (dist.get_rank() if started else int(os.environ.get("RANK", "0"))) != 0:
             return cls(request=request, candidates=[])
-        candidates, gemm = trace_candidates(model, spec.fsdp, request)
+        if started:
+            from shardtrain.plan.fresh_process import trace_in_fresh_process
+
+            candidates, gemm = trace_in_fresh_process(model, spec.fsdp, request)
+        else:
+            candidates, gemm = trace_candidates(model, spec.fsdp, request)
         return cls(request=request, candidates=candidates, gemm=gemm)
 
     def agree(self, spec: Any, backend: Any) -> Any:
@@ -334,9 +348,9 @@ class AutoLayout:
         problem = None
         if backend.rank == 0:
             per_op, per_selective_op = measure_host(backend.device)
-            dtype = torch.bfloat16 if self.request.bf16 else torch.float32
-            rates = Rates(compute_rate(self.gemm, backend.device, dtype), link.get("allgather", float("inf")),
-                          round_trip, per_op, per_selective_op, link_by_kind=link)
+            rates = Rates(compute_rate(self.gemm, backend.device, self.request.compute_dtype),
+                          link.get("allgather", float("inf")), round_trip, per_op, per_selective_op,
+                          link_by_kind=link)
             budget, source = default_budget(spec.fsdp, backend.device, spec.local_world_size or backend.world_size)
             try:
                 chosen = choose(self.candidates, budget, rates)

@@ -1,16 +1,16 @@
-"""TRL's SFT (prompt-completion, completion-only loss; unpacked and packed) and DPO, run by TRL's own trainers
-on one process ("trl") or by `shardtrain.trl`'s on shardtrain's engine ("ours", any number of ranks), with the
-same global batch: per step 8 samples (SFT) or 4 preference pairs x 2 accumulation steps (DPO).
+"""TRL's SFT (prompt-completion, completion-only loss; unpacked and packed) and DPO, run by TRL's own trainers on one
+process ("trl") or by `shardtrain.trl`'s on shardtrain's engine ("ours", any number of ranks), with the same global
+batch: per step 8 samples (SFT) or 4 preference pairs x 2 accumulation steps (DPO).
 
     python trl_runs.py trl OUT
     torchrun --nproc_per_node 2 trl_runs.py ours OUT
 
-Cases: sft, sft_packed, dpo, dpo_path (the policy passed as a directory: TRL loads it and its reference
-model on every rank, reading `args.distributed_state`) and dpo_path_meta (the same with `cpu_ram_efficient_loading`
-for ours: TRL builds both on the meta device, each rank reads its shards). Writes OUT/<case>.json: per-step
-losses, gradient norms and TRL's `num_tokens`, the eval loss (SFT), and for the packed case the first packed row's
-position_ids and the largest difference between the logits of each of its documents and those of the document run
-alone.
+Cases: sft, sft_packed, dpo, dpo_path (the policy passed as a directory: TRL loads it and its reference model on
+every rank, reading `args.distributed_state`) and dpo_path_meta (the same with `cpu_ram_efficient_loading` for ours:
+TRL builds both on the meta device, each rank reads its shards), and (ours) sft_auto: sft with `fsdp_config`
+"layout": "auto". Writes OUT/<case>.json: per-step losses, gradient norms and TRL's `num_tokens`, the eval loss
+(SFT), and for the packed case the first packed row's position_ids and the largest difference between the logits of
+each of its documents and those of the document run alone.
 """
 
 import copy
@@ -72,7 +72,9 @@ def history(trainer) -> dict:
             "num_tokens": [h.get("num_tokens") for h in logs]}
 
 
-def sft(name: str, packing: bool) -> dict:
+def sft(name: str, packing: bool, auto: bool = False) -> dict:
+    """`auto` (ours): `fsdp_config` "layout": "auto" (TRL starts the process group before the Trainer, so the
+    planner traces in a fresh process); "layout" in the result names the pick."""
     rng = random.Random(0)
     rows = [{"prompt": text(rng, 2, 6) + " ", "completion": text(rng, 2, 8)} for _ in range(40)]
     train, evaluation = datasets.Dataset.from_list(rows[:32]), datasets.Dataset.from_list(rows[32:])
@@ -80,7 +82,8 @@ def sft(name: str, packing: bool) -> dict:
     per_device, accumulation = (8, 1) if MODE == "trl" else (8 // WORLD // 2, 2)
     args = arguments(config_cls, name, per_device_train_batch_size=per_device, per_device_eval_batch_size=4,
                      gradient_accumulation_steps=accumulation, max_steps=4, packing=packing, max_length=32,
-                     completion_only_loss=True, eval_packing=False)
+                     completion_only_loss=True, eval_packing=False,
+                     **({"fsdp_config": {"layout": "auto"}} if auto else {}))
     trainer = trainer_cls(model=model(), args=args, train_dataset=train, eval_dataset=evaluation,
                           processing_class=tokenizer())
     result = {}
@@ -89,6 +92,8 @@ def sft(name: str, packing: bool) -> dict:
             trainer.model, trainer.data_collator([trainer.train_dataset[0]]))
     trainer.train()
     result.update(history(trainer), eval_loss=trainer.evaluate()["eval_loss"])
+    if auto and RANK == 0:
+        result["layout"] = trainer.auto_layout.choice.candidate.name
     return result
 
 
@@ -132,7 +137,10 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, run in (("sft", lambda: sft("sft", False)), ("sft_packed", lambda: sft("sft_packed", True)),
                       ("dpo", lambda: dpo("dpo")), ("dpo_path", lambda: dpo("dpo_path", by_path=True)),
-                      ("dpo_path_meta", lambda: dpo("dpo_path_meta", by_path=True, meta=True))):
+                      ("dpo_path_meta", lambda: dpo("dpo_path_meta", by_path=True, meta=True)),
+                      ("sft_auto", lambda: sft("sft_auto", False, auto=True))):
+        if name == "sft_auto" and MODE == "trl":
+            continue  # its reference is TRL's "sft": the layout does not change the losses
         result = run()
         if RANK == 0:
             (OUT / f"{name}.json").write_text(json.dumps(result))
