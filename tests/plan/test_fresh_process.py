@@ -49,5 +49,6 @@ def test_a_class_from_the_script_being_run_is_refused(tmp_path):
     model = tiny_llama()
     script_class = type("MyLlama", (type(model),), {"__module__": "__main__"})
     model.__class__ = script_class
-    with pytest.raises(FSDPConfigError, match="MyLlama is defined in the script being run.*move it into a module"):
+    with pytest.raises(FSDPConfigError, match="cannot import MyLlama: it is defined in the script being run; move it "
+                                              "into a module"):
         describe(model, tmp_path)

@@ -13,10 +13,10 @@ the loss chunk (off, "auto"), and on CPU plain data parallel with the whole mode
 2. with the process group up, every rank takes part in timing real collectives on the run's backend (per kind:
    gloo's all-reduce moves bytes ~2x faster than its all-gather; and a tiny one's round trip), and rank 0 times its
    matmul rate and its host time per op, plainly and under the selective policy (`plan.calibration`);
-3. rank 0 predicts each step as the sum of those costs (only the gradient reductions overlap the backward, all
-   but the last unit's), keeps the candidates whose predicted peak fits the budget and picks the fastest;
-   predictions within 2 % of each other count as a tie, which goes to the smaller peak. It broadcasts its pick,
-   and prints the table.
+3. rank 0 predicts each step as the sum of those costs (the gradient reductions counted as overlapping the
+   backward, all but the last unit's: `Candidate.step_s`), keeps the candidates whose predicted peak fits the
+   budget and picks the fastest; predictions within 2 % of each other count as a tie, which goes to the smaller
+   peak. It broadcasts its pick, and prints the table.
 The budget is `max_memory_per_rank`, else the accelerator's memory, else (CPU) the machine's memory shared by the
 node's ranks. Every layout gives the same losses (the exactness tests hold for each).
 """
@@ -69,10 +69,11 @@ class Candidate:
 
     def step_s(self, rates: Rates) -> float:
         """Predicted seconds per step: compute, bytes on the wire, a round trip per collective, host time per op
-        (more under selective checkpointing's Python policy). Only the gradient reductions overlap: FSDP2 issues
-        each unit's reduce-scatter / all-reduce without waiting for it while the backward goes on (on GPUs in its
-        own stream, on gloo in the backend's thread), so of n units' reductions the last one's share, 1/n, is
-        exposed (measured on the 50M Llama here: no_shard per layer 716 ms a step, as one unit 924 ms)."""
+        (more under selective checkpointing's Python policy). Only the gradient reductions count as overlapped,
+        all but the last unit's share (1/n of n units' is exposed): on GPUs FSDP2 runs them in its own stream while
+        the backward goes on. On gloo torch 2.13's FSDP2 waits for each reduction, so there the 1/n is a fit to
+        measurements, not an overlap: per-layer units measured faster than one unit (the 50M Llama here: no_shard
+        per layer 716 ms a step, as one unit 924 ms), which the plain sum predicted the other way round."""
         wire = self.wire_by_kind or {"other": self.wire_bytes}
         exposed = {kind: 1 / max(self.units, 1) for kind in BACKWARD_REDUCTIONS}
         return (self.flops / rates.flops_per_s

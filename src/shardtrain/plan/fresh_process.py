@@ -26,11 +26,6 @@ import torch
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import FSDPConfigError
 
-REFUSED = ("fsdp_config 'layout': \"auto\" with the process group already started traces the model in a fresh "
-           "process, rebuilt from its transformers class and config, and {what}; create the Trainer before the "
-           "process group starts, or set the layout by hand ('layout': \"manual\"; `shardtrain plan` predicts each "
-           "one)")
-
 
 def _class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
@@ -62,12 +57,17 @@ def describe(model: Any, adapter_dir: Path) -> dict[str, Any]:
         described["adapter_dir"] = str(adapter_dir)
         base = model.get_base_model()
     if not isinstance(base, PreTrainedModel):
-        raise FSDPConfigError(REFUSED.format(what=f"this model ({type(base).__name__}) is not a transformers "
-                                                  "PreTrainedModel (nor a peft model of one)"))
+        raise FSDPConfigError(f"fsdp_config 'layout': \"auto\" with the process group already started rebuilds the "
+                              f"model in a fresh process from its transformers class and config, and this model "
+                              f"({type(base).__name__}) is not a transformers PreTrainedModel (nor a peft model of "
+                              "one); create the Trainer before the process group starts, or set the layout by hand "
+                              "('layout': \"manual\"; `shardtrain plan` predicts each one)")
     for cls in (type(base), type(base.config)):
         if cls.__module__ == "__main__":
-            raise FSDPConfigError(REFUSED.format(what=f"{cls.__name__} is defined in the script being run, which "
-                                                      "a fresh process cannot import; move it into a module"))
+            raise FSDPConfigError(f"fsdp_config 'layout': \"auto\" with the process group already started "
+                                  f"rebuilds the model in a fresh process, which cannot import {cls.__name__}: it is "
+                                  "defined in the script being run; move it into a module, create the Trainer "
+                                  "before the process group starts, or set the layout by hand ('layout': \"manual\")")
     dtypes = {p.dtype for p in base.parameters() if p.is_floating_point()}
     return {**described, "class": _class_path(type(base)), "config_class": _class_path(type(base.config)),
             "config": base.config.to_dict(), "attn_implementation": getattr(base.config, "_attn_implementation", None),
