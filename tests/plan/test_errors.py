@@ -105,3 +105,14 @@ def test_torch_older_than_the_traced_step_needs_is_refused():
         expected = rf"torch >= 2\.13; this is torch {old.replace('+', '.')}.*set the layout by hand"
         with pytest.raises(PlanError, match=expected):
             require_torch_for_tracing(old)
+
+
+def test_planning_leaves_the_error_hook_as_it_was(config_json):
+    """`init_process_group` wraps `sys.excepthook` to prefix "[rank0]: " and destroying the group does not unwrap it:
+    the planner's fake group must not leave a wrapper behind ("auto" traces ~10 layouts, and a run's error line came
+    out with 11 prefixes)."""
+    import sys
+
+    before = sys.excepthook
+    plan(config_json, world_size=2, estimate_step_time=False)
+    assert sys.excepthook is before

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -278,6 +279,9 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     if dist.is_initialized():
         raise PlanError("shardtrain.plan() runs its own fake process group; call it before init_distributed() (or "
                         "run `shardtrain plan` as its own command)")
+    # init_process_group wraps sys.excepthook to prefix "[rank0]: " and destroy does not unwrap it: without the
+    # restore below every traced layout ("auto" traces ~10) added one more prefix to the run's error line
+    excepthook = sys.excepthook
     dist.init_process_group("fake", rank=0, world_size=setup.dims.world_size, store=FakeStore())
     try:
         meshes = setup.dims.build("cpu")
@@ -320,6 +324,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             return _result(model, optimizer, setup, tracker, probe, flops, counter, chunk, selective[0])
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 class PlannerStepHooks:
