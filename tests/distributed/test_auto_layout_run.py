@@ -19,7 +19,7 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto_layout")
     # not pooled: the pool's ranks start each case's process group first, and "auto" plans before it starts
     torchrun(WORKER, 2, str(out), str(BUDGET), pooled=False)
-    return json.loads((out / "result.json").read_text())
+    return {**json.loads((out / "result.json").read_text()), "out": str(out)}
 
 
 def test_pick_is_fastest_predicted_that_fits(result):
@@ -54,9 +54,19 @@ def test_after_the_process_group_started_the_fresh_process_traces_the_same_candi
     """The second auto run starts with the process group up (as TRL's trainers do): rank 0 traces in a fresh
     process that rebuilds the model from its config; the traces are deterministic, so they match the first run's."""
     traced = ("name", "predicted_peak_bytes", "ops", "collective_calls", "selective_ops", "units")
+    assert result["group_was_up"]
     first, started = result["choice"]["candidates"], result["started_choice"]["candidates"]
     assert [{k: c[k] for k in traced} for c in started] == [{k: c[k] for k in traced} for c in first]
     assert result["started_losses"] == pytest.approx(result["default_losses"], abs=1e-6, rel=0)
+
+
+def test_a_model_the_fresh_process_cannot_rebuild_stops_every_rank(result):
+    """Only rank 0 describes the model; every rank raises its error (rank 1 would otherwise wait in a collective)."""
+    out = Path(result["out"])
+    for rank in (0, 1):
+        said = (out / f"refused_{rank}.txt").read_text()
+        assert "this model (Sequential) is not a transformers PreTrainedModel" in said
+        assert "create the Trainer before the process group starts" in said
 
 
 def test_no_layout_fits_stops_every_rank_before_training(tmp_path):

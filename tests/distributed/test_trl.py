@@ -34,7 +34,9 @@ def test_two_ranks_equal_trl_on_one_process(runs, case):
 def test_auto_layout_under_trls_process_group_picks_a_layout(runs):
     """TRL starts the process group before the Trainer; "auto" traced in a fresh process and chose (the losses:
     test_two_ranks_equal_trl_on_one_process[sft_auto])."""
-    layout = read_json(runs / "ours" / "sft_auto.json")["layout"]
+    got = read_json(runs / "ours" / "sft_auto.json")
+    layout = got["layout"]
+    assert got["group_was_up"]  # so the planner traced in a fresh process
     assert layout.split(",")[0] in ("no_shard", "shard_grad_op", "full_shard", "no_shard_one_unit")
 
 

@@ -330,15 +330,23 @@ class AutoLayout:
             raise FSDPConfigError("fsdp_config 'layout': \"auto\" plans the model passed to Trainer(model=...); "
                                   "with model_init (or a hub name) set the layout by hand ('layout': \"manual\")")
         request = request_for(spec, args, train_dataset, device_type())
-        started = dist.is_initialized()  # e.g. TRL's trainers: the planner's fake group cannot join this process
-        if (dist.get_rank() if started else int(os.environ.get("RANK", "0"))) != 0:
-            return cls(request=request, candidates=[])
-        if started:
-            from shardtrain.plan.fresh_process import trace_in_fresh_process
-
-            candidates, gemm = trace_in_fresh_process(model, spec.fsdp, request)
-        else:
+        if not dist.is_initialized():
+            if int(os.environ.get("RANK", "0")) != 0:
+                return cls(request=request, candidates=[])
             candidates, gemm = trace_candidates(model, spec.fsdp, request)
+            return cls(request=request, candidates=candidates, gemm=gemm)
+        # the process group is up (TRL's trainers start it): the planner's fake group cannot join this process, so
+        # rank 0 traces in a fresh one, and every rank stops with its error if it cannot
+        from shardtrain.plan.fresh_process import trace_in_fresh_process
+        from shardtrain.train.data.validation import agree
+
+        candidates, gemm, problem = [], None, None
+        if dist.get_rank() == 0:
+            try:
+                candidates, gemm = trace_in_fresh_process(model, spec.fsdp, request)
+            except FSDPConfigError as err:
+                problem = str(err)
+        agree(problem, FSDPConfigError)
         return cls(request=request, candidates=candidates, gemm=gemm)
 
     def agree(self, spec: Any, backend: Any) -> Any:

@@ -84,6 +84,7 @@ def sft(name: str, packing: bool, auto: bool = False) -> dict:
                      gradient_accumulation_steps=accumulation, max_steps=4, packing=packing, max_length=32,
                      completion_only_loss=True, eval_packing=False,
                      **({"fsdp_config": {"layout": "auto"}} if auto else {}))
+    group_was_up = torch.distributed.is_initialized()  # TRL's config starts it (or the rank pool did)
     trainer = trainer_cls(model=model(), args=args, train_dataset=train, eval_dataset=evaluation,
                           processing_class=tokenizer())
     result = {}
@@ -93,7 +94,7 @@ def sft(name: str, packing: bool, auto: bool = False) -> dict:
     trainer.train()
     result.update(history(trainer), eval_loss=trainer.evaluate()["eval_loss"])
     if auto and RANK == 0:
-        result["layout"] = trainer.auto_layout.choice.candidate.name
+        result["layout"], result["group_was_up"] = trainer.auto_layout.choice.candidate.name, group_was_up
     return result
 
 
