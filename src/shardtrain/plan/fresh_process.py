@@ -127,13 +127,13 @@ CHILD_TIMEOUT_S = 480
 
 
 def trace_in_fresh_process(model: Any, config: FSDPConfig, request: Any) -> tuple[list[Any], Any]:
-    """`auto_layout.trace_candidates` of `model`, run by a child interpreter (no process group there).
+    """`candidates.trace_candidates` of `model`, run by a child interpreter (no process group there).
 
     Raises:
         FSDPConfigError: the model cannot be described (see `describe`), or the child failed or took longer than
             `CHILD_TIMEOUT_S` (its error's end).
     """
-    from shardtrain.plan.auto_layout import Candidate
+    from shardtrain.plan.candidates import Candidate
 
     with tempfile.TemporaryDirectory(prefix="shardtrain-auto-") as tmp:
         work = Path(tmp)
@@ -162,7 +162,7 @@ def trace_in_fresh_process(model: Any, config: FSDPConfig, request: Any) -> tupl
 
 def main(argv: list[str]) -> None:
     """The child: read the job, trace, write the candidates (an `FSDPConfigError` is printed and exits 1)."""
-    from shardtrain.plan.auto_layout import Request, trace_candidates
+    from shardtrain.plan.candidates import Request, trace_candidates
 
     job = json.loads(Path(argv[0]).read_text())
     fields = job["fsdp_config"]
