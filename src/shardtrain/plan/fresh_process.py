@@ -2,11 +2,12 @@
 
 The planner runs its own fake process group, which cannot coexist with a real one in the same process; TRL's
 trainers (and any script that calls `init_distributed()` first) start the real one before the Trainer. Then rank 0
-describes the model in plain JSON — its transformers class and config, its parameters' dtype, and peft's LoRA
-config if it is a `PeftModel` — and a child interpreter (`python -m shardtrain.plan.fresh_process IN OUT`, the
-parent's `sys.path` as its `PYTHONPATH`) rebuilds it on the meta device, traces every candidate and writes them
-back as JSON. Nothing is pickled either way. A model that JSON cannot describe (a plain `nn.Module`, a class
-defined in the `__main__` script) gets a clear error instead.
+describes the model in plain JSON — its transformers class and config, each parameter's dtype, and every peft adapter
+config if it is a `PeftModel`; a model directory as its path — and a child interpreter (`python -m
+shardtrain.plan.fresh_process IN OUT`, the parent's `sys.path` as its `PYTHONPATH`) rebuilds it on the meta device,
+traces every candidate (`plan.candidates`) and writes them back as JSON. Nothing is pickled either way. A model that
+JSON cannot describe (a plain `nn.Module`, a quantized model, a class defined in the `__main__` script or inside a
+function) gets a clear error instead.
 """
 
 from __future__ import annotations
