@@ -132,8 +132,12 @@ def worker(cli: argparse.Namespace) -> None:
         return [{"input_ids": ids, "labels": ids} for ids in
                 torch.randint(0, shape["vocab_size"], (total * batch * world, seq), generator=gen)]
 
+    profiled_modes = set((cli.profile_modes or cli.modes).split(","))
+    current_mode: list[str] = [""]
+
     def profiler() -> StepProfiler:
-        return StepProfiler(cli.warmup + cli.steps, cli.profile_steps, cuda)
+        count = cli.profile_steps if current_mode[0] in profiled_modes else 0
+        return StepProfiler(cli.warmup + cli.steps, count, cuda)
 
     def raw_run(compile_: bool) -> tuple[list[float], list[float], StepProfiler]:
         model = build().to(device)
@@ -220,12 +224,21 @@ def worker(cli: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         kind, how = mode.split("_")
+        current_mode[0] = mode
+        error = None
         try:
             times, losses, prof = runs[kind](how == "compile")
         except Exception as err:  # noqa: BLE001 - one prepared GPU run: a failing mode must not cost the others
-            results[mode] = {"error": f"{type(err).__name__}: {err}"[:2000]}
-            print(f"[gpu benchmark] mode {mode} failed on rank {rank}: {results[mode]['error']}", flush=True)
-            dist.barrier()
+            error = f"{type(err).__name__}: {err}"[:2000]
+            print(f"[gpu benchmark] mode {mode} failed on rank {rank}: {error}", flush=True)
+        # every rank learns whether any failed, so all go on to the next mode together. A failure after the mode's
+        # last collective (the profiler's stop raised std::bad_alloc on one rank on CPU) used to leave that rank
+        # in a barrier while the others started the next mode: a hang. One in the middle of a mode still waits
+        # for the collective's timeout.
+        failed = torch.tensor([float(error is not None)], device=device)
+        dist.all_reduce(failed)
+        if failed.item():
+            results[mode] = {"error": error or f"failed on {int(failed.item())} other rank(s); see their output"}
             continue
         median = statistics.median(times[cli.warmup:cli.warmup + cli.steps])
         results[mode] = {
@@ -265,6 +278,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="torch.profiler over this many more steps after the timed ones; per mode: busy time "
                              "per step and the top ops")
+    parser.add_argument("--profile-modes", default=None,
+                        help="the modes --profile-steps profiles (comma-separated; default: every mode run)")
     parser.add_argument("--progress", default=None, help="append each finished mode's JSON line to this file")
     cli = parser.parse_args()
     cli.steps = cli.steps or (3 if cli.tiny else 10)
@@ -281,7 +296,8 @@ def main() -> None:
             "--batch", str(cli.batch), *(["--tiny"] if cli.tiny else []),
             *(["--peak-tflops", str(cli.peak_tflops)] if cli.peak_tflops else []),
             *(["--progress", str(Path(cli.progress).resolve())] if cli.progress else []),
-            "--profile-steps", str(cli.profile_steps)]
+            "--profile-steps", str(cli.profile_steps), *(["--profile-modes", cli.profile_modes] if cli.profile_modes
+                                                         else [])]
     # the planner runs its own fake process group: here, before the ranks start theirs
     planned = plan_prediction(TINY if cli.tiny else LLAMA_1B, nproc, cli.seq, cli.batch,
                               torch.cuda.is_available() and not cli.tiny)

@@ -40,7 +40,7 @@ def pytest_sessionfinish(session, exitstatus):
 # once), each taking the next file in this order when it is free. The slowest files go first so that neither
 # worker is left with a long one at the end (seconds: one worker, this 2-core machine, fresh clone).
 SLOWEST_FIRST = (
-    "cli/test_restart_resume.py",  # 500
+    "cli/test_restart_resume.py",  # 420 (15 launches that restart)
     "xla/test_xla_path.py",  # 234, one process at a time
     "cli/test_verify.py",  # 149
     "cli/test_readme.py",  # 119
