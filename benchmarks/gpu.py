@@ -133,10 +133,9 @@ def worker(cli: argparse.Namespace) -> None:
                 torch.randint(0, shape["vocab_size"], (total * batch * world, seq), generator=gen)]
 
     profiled_modes = set((cli.profile_modes or cli.modes).split(","))
-    current_mode: list[str] = [""]
 
     def profiler() -> StepProfiler:
-        count = cli.profile_steps if current_mode[0] in profiled_modes else 0
+        count = cli.profile_steps if mode in profiled_modes else 0  # `mode`: the one the loop below runs now
         return StepProfiler(cli.warmup + cli.steps, count, cuda)
 
     def raw_run(compile_: bool) -> tuple[list[float], list[float], StepProfiler]:
@@ -224,7 +223,6 @@ def worker(cli: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         kind, how = mode.split("_")
-        current_mode[0] = mode
         error = None
         try:
             times, losses, prof = runs[kind](how == "compile")

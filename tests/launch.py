@@ -7,16 +7,26 @@ one whose launch is under test (`pooled=False`), always starts real processes.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import rank_pool
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def benchmark_module(name: str) -> Any:
+    """`benchmarks/<name>.py` loaded as a module (the benchmarks are scripts, not a package of the suite)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def worker_env(**extra: str) -> dict[str, str]:

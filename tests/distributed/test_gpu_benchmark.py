@@ -2,18 +2,15 @@
 figures, compile does not change what eager computes, and shardtrain's Trainer computes transformers' Trainer's
 losses (bf16 both, so within bf16 noise); the planner's prediction sits beside them."""
 
-import ast
 import json
 import math
 import subprocess
 import sys
 
-from launch import REPO, worker_env
+from launch import REPO, benchmark_module, worker_env
 
 GPU_PY = REPO / "benchmarks" / "gpu.py"
-# the benchmark's own list of modes, read without importing it (it is a script, not a module of the suite)
-MODES = next(ast.literal_eval(node.value) for node in ast.parse(GPU_PY.read_text()).body
-             if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "MODES")
+MODES = benchmark_module("gpu").MODES  # the benchmark's own list (its imports at module level are the stdlib's)
 
 
 def test_gpu_benchmark_tiny_runs_every_mode(tmp_path):

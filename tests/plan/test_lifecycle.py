@@ -8,18 +8,16 @@ The 64- and 512-rank plans use the widths of Llama-3-70B and Qwen3-235B-A22B wit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
+from launch import REPO, benchmark_module
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from shardtrain.plan import plan
 from shardtrain.plan.lifecycle import TensorLayout, load_sharded_read, save_model_sharded
 
-REPO = Path(__file__).resolve().parents[2]
 MIB = 2**20
 
 
@@ -148,16 +146,9 @@ def test_qwen3_235b_a22b_widths_at_scale(world):
     assert read.rank0_device < full / pieces * 1.05
 
 
-def _benchmark_module():
-    spec = importlib.util.spec_from_file_location("plan_lifecycle", REPO / "benchmarks" / "plan_lifecycle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_load_and_save_rows_match_the_measured_benchmarks():
     """The formulas redone on the benchmarks' own models and files, against their measured RSS growth."""
-    bench = _benchmark_module()
+    bench = benchmark_module("plan_lifecycle")
     stored = json.loads((REPO / "benchmarks" / "results" / "plan_lifecycle.json").read_text())
     predicted = {}
     for name in bench.LOADS:
