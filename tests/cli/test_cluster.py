@@ -115,6 +115,29 @@ def test_flags_win_over_the_scheduler_with_a_warning(home, capsys, monkeypatch):
     assert "warning: --num_machines 2 overrides SLURM_NNODES=4 (slurm)" in err
 
 
+def test_a_cpu_node_under_slurm_runs_cpu_processes(home, capsys, monkeypatch):
+    """SLURM_GPUS_ON_NODE=0 is a node without GPUs for the job: one CPU process per node (gloo), as --cpu."""
+    _set(monkeypatch, {**SLURM, "SLURM_GPUS_ON_NODE": "0"})
+    code, plan, err = _dry_run(capsys)
+    assert code == 0, err
+    assert plan["env"]["SHARDTRAIN_CPU"] == "1"
+    assert plan["torchrun_argv"][:2] == ["--nnodes=4", "--nproc_per_node=1"]
+    assert "SLURM_GPUS_ON_NODE=0: no GPU on this node" in err
+    code, plan, err = _dry_run(capsys, "--cpu", "--num_processes", "8")  # a flag wins over the scheduler
+    assert code == 0, err
+    assert plan["torchrun_argv"][:2] == ["--nnodes=4", "--nproc_per_node=2"]
+
+
+def test_a_flag_wins_over_an_unreadable_scheduler_count(home, capsys, monkeypatch):
+    _set(monkeypatch, {**SLURM, "SLURM_GPUS_ON_NODE": "gpu:a100:2"})
+    code, _, err = _dry_run(capsys)
+    assert code == 2
+    assert "SLURM_GPUS_ON_NODE='gpu:a100:2' is not a whole number >= 0" in err and "--num_processes" in err
+    code, plan, err = _dry_run(capsys, "--num_processes", "8")
+    assert code == 0, err
+    assert plan["torchrun_argv"][:2] == ["--nnodes=4", "--nproc_per_node=2"]
+
+
 def test_a_config_file_that_contradicts_the_scheduler_is_one_error_naming_both(home, capsys, monkeypatch,
                                                                                  tmp_path):
     _set(monkeypatch, SLURM)

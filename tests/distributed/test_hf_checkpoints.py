@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from launch import python, torchrun
+from launch import python, torchrun, worker_env
 from safetensors.torch import load_file
 
 from shardtrain.checkpoint.full import write_full_checkpoint
+from shardtrain.cli.main import main
 
 WORKER = Path(__file__).parent / "workers" / "hf_checkpoints.py"
 
@@ -31,6 +32,11 @@ def runs(tmp_path_factory) -> Path:
     python(WORKER, "hf", str(root / "hf_from_ours"), str(root / "ours" / "checkpoint-4"))
     torchrun(WORKER, 2, "ours", str(root / "fsdp2_from_hf"), str(root / "hf" / "checkpoint-4"))
     torchrun(WORKER, 2, "ours", str(root / "fsdp2"))
+    torchrun(WORKER, 2, "ours", str(root / "fsdp2_sharded"), env=worker_env(STATE_DICT_TYPE="SHARDED_STATE_DICT"))
+    for run in ("fsdp2", "fsdp2_sharded"):  # exported to transformers' layout, resumed by transformers' Trainer
+        exported = root / f"{run}_exported" / "checkpoint-4"
+        assert main(["merge", "--hf-checkpoint", str(root / run / "checkpoint-4"), str(exported)]) == 0
+        python(WORKER, "hf", str(root / f"hf_from_{run}"), str(exported))
     python(WORKER, "ours", str(root / "plain_from_fsdp2"), str(root / "fsdp2" / "checkpoint-4"))
     # our checkpoint-4 with its model rewritten as shards and an index after it was written (as transformers'
     # own tests do): the files listed in its manifest are gone, the ones there now are read instead
@@ -97,6 +103,16 @@ def test_a_full_fsdp_checkpoint_resumes_without_fsdp(runs):
     assert_ends_alike(runs, "plain_from_fsdp2", "fsdp2", tol=1e-5)
 
 
+@pytest.mark.parametrize("run", ["fsdp2", "fsdp2_sharded"])
+def test_transformers_resumes_an_exported_fsdp_checkpoint_with_its_optimizer(runs, run):
+    """`shardtrain merge --hf-checkpoint` of a 2-rank FSDP checkpoint (full or sharded): transformers' one-process
+    Trainer resumes it and ends where the FSDP run ended (its Adam moments, scheduler and step restored)."""
+    names = {p.name for p in (runs / f"{run}_exported" / "checkpoint-4").iterdir()}
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= names
+    assert not names & {"manifest.json", "shardtrain_state.json", "sharded", "optimizer"}
+    assert_ends_alike(runs, f"hf_from_{run}", "fsdp2", tol=1e-5)
+
+
 def test_another_global_batch_goes_on_with_a_warning_as_transformers_does(runs):
     said = (runs / "ours_half" / "stderr.txt").read_text()
     assert "was trained with a global batch of 8 samples, this run has 4" in said
@@ -106,7 +122,8 @@ def test_another_global_batch_goes_on_with_a_warning_as_transformers_does(runs):
 
 def test_transformers_reads_every_trainer_state_we_write(runs):
     states = sorted(runs.glob("*/checkpoint-*/trainer_state.json"))
-    ours = [p for p in states if not p.parent.parent.name.startswith("hf")]
+    ours = [p for p in states if not p.parent.parent.name.startswith("hf")
+            and not p.parent.parent.name.endswith("_exported")]  # those are transformers' layout
     assert len(ours) >= 8
     for path in ours:
         state = transformers.TrainerState.load_from_json(str(path))

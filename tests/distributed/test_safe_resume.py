@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from launch import torchrun
+from launch import shardtrain_launch, torchrun
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
@@ -100,3 +100,25 @@ def test_crafted_optimizer_entry_is_refused_on_resume(saved, tmp_path) -> None:
     output = _resume(checkpoint, "FULL_STATE_DICT", tmp_path)
     assert (f"refusing to load the non-tensor entry {target!r} of {optimizer}: it references builtins.exec") in output
     assert not marker.exists()
+
+
+def test_crafted_rng_file_is_one_error_line(saved, tmp_path) -> None:
+    """A pickle in place of rank 1's RNG file (manifest resealed): torch's safe loading refuses it, and both
+    ranks stop with one `error:` line naming the file (no traceback, no rank left waiting), changing nothing."""
+    checkpoint = _copy(saved, "SHARDED_STATE_DICT", tmp_path)
+    marker = tmp_path / "pwned"
+    rng = checkpoint / "rng_state_1.pt"
+    assert rng.is_file()
+    rng.write_bytes(pickle.dumps({"torch": ExecPayload(marker)}))
+    _reseal(checkpoint)
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
+    job = {**KNOBS, "max_steps": 4, "out": str(tmp_path / "resumed"), "resume": str(checkpoint),
+           "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}}
+    proc = shardtrain_launch(WORKER, 2, json.dumps([job]))
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"could not read {rng} with torch.load(weights_only=True): UnpicklingError" in errors[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not marker.exists()
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()} == before

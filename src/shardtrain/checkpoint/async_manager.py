@@ -32,6 +32,7 @@ from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.full import write_full_checkpoint
 from shardtrain.checkpoint.hf_export import save_sharded_pretrained
 from shardtrain.checkpoint.layout import OPTIMIZER_DIR, SHARDED_DIR
+from shardtrain.parallel import collectives
 
 
 class AsyncSaver:
@@ -123,7 +124,8 @@ class AsyncSaver:
         are gathered on rank 0 (unless that was done already) and rank 0 writes model.safetensors."""
         manager = self.manager
         if distributed:
-            save_sharded_pretrained(manager.model, tmp, None, rank=manager.rank, world_size=dist.get_world_size(),
+            save_sharded_pretrained(manager.model, tmp, None, rank=manager.rank,
+                                    world_size=collectives.get_world_size(),
                                     state=shards, agree=partial(group_agree, self._gather_group),
                                     process_group=self._gather_group)
             return

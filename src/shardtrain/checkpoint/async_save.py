@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shardtrain.errors import CheckpointError
+from shardtrain.parallel import collectives
 
 
 class AlreadyStaged(AsyncStager):
@@ -121,16 +122,15 @@ class ReusableStager:
 
 
 def checkpoint_group() -> dist.ProcessGroup:
-    """A gloo group over all ranks for checkpoint collectives (collective: every rank must call it)."""
-    return dist.new_group(backend="gloo")
+    """A gloo group over all ranks for checkpoint collectives (collective: every rank must call it); None on a
+    one-process run without a process group (`collectives`)."""
+    return dist.new_group(backend="gloo") if collectives.group_is_up() else None
 
 
 def group_agree(group: dist.ProcessGroup, problem: str | None) -> None:
     """Collective over `group`: if any rank passed a problem, every rank raises `CheckpointError` with the
     lowest rank's (the background half of an async save agrees on its own group, never the training's)."""
-    found: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, problem, group=group)
-    problems = [p for p in found if p is not None]
+    problems = [p for p in collectives.gather_objects(problem, group) if p is not None]
     if problems:
         raise CheckpointError(problems[0])
 

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtrain.checkpoint.faults import fault_point
 from shardtrain.checkpoint.layout import PREFIX, TMP_PREFIX
 from shardtrain.checkpoint.manifest import write_manifest
 from shardtrain.errors import CheckpointError
+from shardtrain.parallel import collectives
 
 
 class AgreedFailure(CheckpointError):
@@ -121,9 +121,9 @@ class AtomicWrites:
         except (Exception, CheckpointException) as err:  # noqa: B014 - DCP's error is not always an Exception
             error = err
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
+        if collectives.get_backend() == "nccl":
             failed = failed.cuda()
-        dist.all_reduce(failed)
+        collectives.all_reduce(failed)
         if not int(failed.item()):
             return
         full = disk_full(error, self.output_dir)  # before the partial files go: torch.save loses the errno

@@ -6,6 +6,8 @@ read here (and written, by a run that shards nothing), so that checkpoints move 
     rng_state.pth        {"python", "numpy", "cpu"[, "cuda"]}; rng_state_<rank>.pth on several processes
     trainer_state.json   TrainerState.save_to_json (`TrainerState.load_from_json` reads ours too)
     training_args.bin    torch.save(args), as transformers writes it: never read (a pickle)
+    generation_config.json, tokenizer / processor files: beside the model, in every checkpoint and in save_model's
+                         directory, as transformers writes them (`write_beside_model`)
 
 Nothing is unpickled but through `torch.load(weights_only=True)`: tensors, containers and numbers, plus NumPy's
 array type for the RNG file (transformers' own allowlist, `safe_globals`).
@@ -14,6 +16,7 @@ array type for the RNG file (transformers' own allowlist, `safe_globals`).
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,25 @@ SCHEDULER_FILE = "scheduler.pt"
 TRAINING_ARGS_FILE = "training_args.bin"
 
 
+def saved_processor(processing_class: Any, data_collator: Any) -> Any:
+    """What transformers saves beside the model: the processing class, else the data collator's tokenizer (the
+    usual `DataCollatorForLanguageModeling(tokenizer)` script passes no processing_class); None: nothing."""
+    if processing_class is not None:
+        return processing_class
+    return getattr(data_collator, "tokenizer", None)
+
+
+def write_beside_model(out: Path, model: nn.Module, processor: Any) -> None:
+    """generation_config.json (a generative model) and the processor's files (tokenizer.json,
+    tokenizer_config.json, the chat template, a feature extractor's config), as transformers' `_save` writes
+    them into `save_model`'s directory and every checkpoint, so `Auto*.from_pretrained(dir)` finds them."""
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(out)
+    if hasattr(processor, "save_pretrained"):
+        processor.save_pretrained(out)
+
+
 def rng_file(rank: int, world_size: int) -> str:
     """The RNG file a process reads and writes, by Hugging Face's rule (one process: `rng_state.pth`)."""
     return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
@@ -38,7 +60,9 @@ def load_tensors(path: Path) -> Any:
     from transformers.trainer_pt_utils import safe_globals  # NumPy's array type, for RNG states
 
     try:
-        with safe_globals():
+        # torch warns about the pickle protocol of a file it is about to refuse: the error below says it all
+        with safe_globals(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch's UnpicklingError for anything but tensors; EOFError on a truncated file
         raise CheckpointError(f"could not read {path} with torch.load(weights_only=True): {type(err).__name__}: "

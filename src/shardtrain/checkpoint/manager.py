@@ -67,6 +67,7 @@ from shardtrain.checkpoint.model_state import (
 )
 from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.errors import CheckpointError
+from shardtrain.parallel import collectives
 from shardtrain.parallel.distributed import barrier
 from shardtrain.parallel.states import TorchStates, clean_name
 
@@ -89,22 +90,24 @@ class CheckpointManager:
         hf_layout: write Hugging Face's optimizer.pt, scheduler.pt and rng_state.pth (a run that shards
             nothing: one plain process), which `transformers.Trainer` resumes.
         training_args: in Hugging Face's layout, saved as its training_args.bin (written, never read).
+        processor: the tokenizer / processor written into every checkpoint with the generation config
+            (`hf_files.write_beside_model`), as transformers does; None: none.
     """
 
     def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
                  save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None,
                  extra_files: dict[str, str] | None = None, state_access: type = TorchStates,
-                 hf_layout: bool = False, training_args: Any = None) -> None:
+                 hf_layout: bool = False, training_args: Any = None, processor: Any = None) -> None:
         self.output_dir = Path(output_dir)
         self.extra_files = dict(extra_files or {})
         self.frozen_base = frozen_base
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state_access = state_access
         self.state_dict_type = "FULL_STATE_DICT" if hf_layout else state_dict_type
-        self.hf_layout, self.training_args = hf_layout, training_args
+        self.hf_layout, self.training_args, self.processor = hf_layout, training_args, processor
         self.save_total_limit = save_total_limit
-        self.rank = dist.get_rank()
+        self.rank = collectives.get_rank()
         self.writes = AtomicWrites(self.output_dir, self.rank)  # the temporary directory, agreement, commit
         self._async = AsyncSaver(self)
 
@@ -172,7 +175,7 @@ class CheckpointManager:
             dcp.save(payload, checkpoint_id=str(tmp / SHARDED_DIR))
         else:
             if (shards := self.distributed_full()) is not None:  # every rank writes its part of the files
-                save_sharded_pretrained(self.model, tmp, None, rank=self.rank, world_size=dist.get_world_size(),
+                save_sharded_pretrained(self.model, tmp, None, rank=self.rank, world_size=collectives.get_world_size(),
                                         state=shards, agree=lambda problem: self.writes.agree(problem, tmp, step))
             else:
                 full = states.full_model_state()
@@ -190,7 +193,7 @@ class CheckpointManager:
     def write_small_files(self, tmp: Path, state: Any, model_only: bool) -> None:
         """RNG state of every rank; on rank 0 config, tied names, scheduler and trainer state."""
         if self.hf_layout:
-            hf_files.save_rng(tmp, self.rank, dist.get_world_size())
+            hf_files.save_rng(tmp, self.rank, collectives.get_world_size())
         else:
             torch.save(rng_state(), tmp / f"{RNG_PREFIX}{self.rank}.pt")
         if self.rank == 0:
@@ -198,6 +201,7 @@ class CheckpointManager:
             if config is not None:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             (tmp / TIED_FILE).write_text(json.dumps(self.states().tied_aliases()))
+            hf_files.write_beside_model(tmp, self.model, self.processor)
             if self.frozen_base is not None:
                 (tmp / BASE_FILE).write_text(json.dumps(self.frozen_base, indent=2))
             for name, text in self.extra_files.items():
@@ -311,11 +315,21 @@ class CheckpointManager:
     def _load_rng(self, path: Path) -> None:
         """This rank's RNG states, from our file or Hugging Face's; a rank without one (resuming on more ranks
         than saved) keeps its seed."""
-        ours, theirs = path / f"{RNG_PREFIX}{self.rank}.pt", path / hf_files.rng_file(self.rank, dist.get_world_size())
-        if ours.is_file():
-            set_rng_state(torch.load(ours, weights_only=True))
-        elif theirs.is_file():
-            hf_files.set_rng(hf_files.load_tensors(theirs))
+        world = collectives.get_world_size()
+        ours, theirs = path / f"{RNG_PREFIX}{self.rank}.pt", path / hf_files.rng_file(self.rank, world)
+        problem = None
+        try:
+            if ours.is_file():
+                set_rng_state(hf_files.load_tensors(ours))
+            elif theirs.is_file():
+                hf_files.set_rng(hf_files.load_tensors(theirs))
+        except CheckpointError as err:  # one rank's file: every rank stops with its error, none waits on it
+            problem = str(err)
+        problems = [found for found in collectives.gather_objects(problem) if found is not None]
+        if problems:
+            error = CheckpointError(problems[0])
+            error.agreed = True
+            raise error
 
     def close(self) -> None:
         """Wait for an async save in flight (raising its error), release its buffers and thread; then a barrier."""

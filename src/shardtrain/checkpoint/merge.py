@@ -13,6 +13,7 @@ unless its frozen weights hash to the checkpoint's `base_model.json`), adds the 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -79,6 +80,10 @@ def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *,
                               f"written)")
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"output directory {out} is not empty; choose a new directory (nothing was written)")
+    problem = _uncreatable(out)
+    if problem is not None:
+        raise CheckpointError(f"output directory {out} cannot be created: {problem}; choose another directory "
+                              "(nothing was written)")
     kind = checkpoint_kind(source)
     problem = CheckpointManager.problem(source)  # as resume checks it: the manifest's sizes and checksums
     if problem is not None:
@@ -100,6 +105,21 @@ def merge_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path, *,
     write_full_checkpoint(state, out, config, max_shard_bytes)
     return out
 
+
+
+def _uncreatable(out: Path) -> str | None:
+    """Why `out` could not be made a directory, found without creating anything: an ancestor that is a file, or
+    the nearest existing one not writable; None when it can be."""
+    parent = out
+    while not parent.exists():
+        if parent.parent == parent:
+            return None
+        parent = parent.parent
+    if parent != out and not parent.is_dir():
+        return f"{parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
 
 
 def _merge_adapters(source: Path, adapters: dict[str, torch.Tensor], base_dir: Path, out: Path,

@@ -287,6 +287,10 @@ def _read_cluster(config: LaunchConfig, args: argparse.Namespace, file_config: L
     if cluster is None:
         return None
     flags = {name for name in _VALUE_FLAGS if getattr(args, name) is not None}
+    if cluster.no_gpus and not config.use_cpu:  # SLURM_GPUS_ON_NODE=0: a CPU node, as --cpu says
+        config.use_cpu = True
+        warnings.append("SLURM_GPUS_ON_NODE=0: no GPU on this node for the job; running CPU processes (gloo), "
+                        "as with --cpu")
     resolved, notes = apply_cluster(config, cluster, flags=flags, file_config=file_config,
                                     local_devices=partial(_local_devices, config.use_cpu))
     warnings += notes

@@ -4,6 +4,7 @@
     shardtrain launch [flags] train.py [script args]   # run on N processes / M machines
     shardtrain merge CHECKPOINT_DIR OUTPUT_DIR         # sharded checkpoint -> safetensors
     shardtrain merge CKPT OUT --merge-lora --base DIR  # LoRA checkpoint + its base -> merged model
+    shardtrain merge --hf-checkpoint CKPT OUT/checkpoint-N  # -> a checkpoint transformers' Trainer resumes
     shardtrain report OUTPUT_DIR                       # report.png from OUTPUT_DIR/metrics.jsonl
     shardtrain env                                     # versions, backends, devices, config
     shardtrain --version
@@ -37,7 +38,14 @@ def run_merge(args: argparse.Namespace) -> int:
     try:
         if args.merge_lora != (args.base is not None):
             raise ValueError("--merge-lora and --base DIR go together: the base model the adapters were trained on")
-        merge_checkpoint(args.checkpoint_dir, args.output_dir, lora_base=args.base)
+        if args.hf_checkpoint and args.merge_lora:
+            raise ValueError("--hf-checkpoint exports a whole model's training state; drop --merge-lora / --base")
+        if args.hf_checkpoint:
+            from shardtrain.checkpoint.hf_checkpoint import export_hf_checkpoint
+
+            export_hf_checkpoint(args.checkpoint_dir, args.output_dir)
+        else:
+            merge_checkpoint(args.checkpoint_dir, args.output_dir, lora_base=args.base)
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -60,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     from shardtrain import __version__
 
     parser.add_argument("--version", action="version", version=f"shardtrain {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,report,env,plan}")
+    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,report,env,plan,verify}")
     add_config_parser(subparsers)
     add_launch_parser(subparsers)
     merge = subparsers.add_parser(
@@ -70,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("output_dir", help="where the merged safetensors model goes")
     merge.add_argument("--merge-lora", action="store_true", help="a LoRA checkpoint: merge its adapters into --base")
     merge.add_argument("--base", help="with --merge-lora: the base model directory the adapters were trained on")
+    merge.add_argument("--hf-checkpoint", action="store_true",
+                       help="write transformers' checkpoint layout (model, optimizer.pt, scheduler.pt, rng_state.pth, "
+                            "trainer_state.json): transformers' one-process Trainer resumes OUTPUT_DIR with its "
+                            "optimizer; name it checkpoint-<step>")
     merge.set_defaults(func=run_merge)
     report = subparsers.add_parser("report", help="draw report.png (loss, learning rate, grad norm, throughput "
                                                   "and memory) from a run's metrics.jsonl", allow_abbrev=False)

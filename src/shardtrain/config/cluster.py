@@ -37,6 +37,10 @@ class ClusterEnv:
     port: int | None = None
     procs_per_machine: int | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
+    # the node has no GPU for this job (SLURM_GPUS_ON_NODE=0): CPU processes unless the flags say otherwise
+    no_gpus: bool = False
+    # why the scheduler's process count cannot be read; raised only where no flag gives the count
+    procs_problem: str | None = None
 
 
 def _int(environ: Mapping[str, str], name: str, minimum: int = 0) -> int:
@@ -131,14 +135,20 @@ def _slurm(environ: Mapping[str, str]) -> ClusterEnv:
     port, port_name = _port(environ, "MASTER_PORT")
     if port_name:
         sources["port"] = port_name
-    procs = None
+    procs, problem, no_gpus = None, None, False
     gpus = environ.get("SLURM_GPUS_ON_NODE", "").strip()
     if gpus:
-        procs = _int(environ, "SLURM_GPUS_ON_NODE", 1)
-        sources["procs_per_machine"] = "SLURM_GPUS_ON_NODE"
+        try:
+            procs = _int(environ, "SLURM_GPUS_ON_NODE", 0)
+        except LaunchConfigError as err:  # a flag may still give the count (`apply_cluster`)
+            problem = str(err).replace("flag", "flag (--num_processes)")
+        if procs == 0:  # a CPU node: no GPU for this job
+            procs, no_gpus = None, True
+        elif procs is not None:
+            sources["procs_per_machine"] = "SLURM_GPUS_ON_NODE"
     return ClusterEnv(scheduler="slurm", num_machines=_int(environ, "SLURM_NNODES", 1),
                       machine_rank=_int(environ, "SLURM_NODEID"), host=first_host(environ[list_name]),
-                      port=port, procs_per_machine=procs, sources=sources)
+                      port=port, procs_per_machine=procs, sources=sources, no_gpus=no_gpus, procs_problem=problem)
 
 
 def _machines(environ: Mapping[str, str], name: str) -> int:
@@ -241,6 +251,8 @@ def apply_cluster(config: LaunchConfig, cluster: ClusterEnv, *, flags: set[str],
     elif file_config is not None and file_config.num_machines == config.num_machines > 1:
         resolved["num_processes"] = [config.num_processes, "config file"]
     else:
+        if cluster.procs_problem is not None:
+            raise LaunchConfigError(cluster.procs_problem)
         per_machine = cluster.procs_per_machine or local_devices()
         source = cluster.sources.get("procs_per_machine", "devices visible here")
         config.num_processes = per_machine * config.num_machines

@@ -20,8 +20,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtrain.config.run_spec import RunSpec
+from shardtrain.parallel import collectives
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.parallel.distributed import current_device, init_distributed
+from shardtrain.parallel.distributed import current_device, init_distributed, launched_alone
 from shardtrain.parallel.layout import Layout, apply_layout
 from shardtrain.parallel.loading import fill_from_rank0, has_meta_tensors, meta_source, read_from_source
 from shardtrain.parallel.states import TorchStates
@@ -59,6 +60,11 @@ class TrainingBackend:
         `dims` layout, before the model is touched."""
 
     def setup(self) -> None:
+        if self.spec.fsdp is None and launched_alone():
+            # one process that shards nothing starts no process group, as transformers' Trainer on one process:
+            # a script or a library's cleanup that asks dist.is_initialized() finds what it finds there
+            self.device = current_device()
+            return
         init_distributed(timeout_s=self.spec.ddp_timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = current_device()
@@ -145,16 +151,16 @@ class TrainingBackend:
 
     def all_reduce(self, tensor: torch.Tensor, group: Any = None) -> None:
         """Sum `tensor` over the processes of `group` in place."""
-        dist.all_reduce(tensor, group=group)
+        collectives.all_reduce(tensor, group=group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank `src`'s `tensor` on every process, in place."""
-        dist.broadcast(tensor, src=src)
+        collectives.broadcast(tensor, src=src)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every process's `tensor`, in rank order."""
         every = [torch.zeros_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(every, tensor)
+        collectives.all_gather(every, tensor)
         return every
 
     def is_sharded(self, model: nn.Module) -> bool:

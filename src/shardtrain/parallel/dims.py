@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardtrain.config.fsdp_config import FSDPConfig
@@ -144,7 +145,13 @@ class ParallelDims:
         return " x ".join(parts) + f" = {self.world_size} ranks"
 
     def build(self, device_type: str) -> Meshes:
-        """Create the world mesh and the flattened meshes of each purpose (collective: every rank calls it)."""
+        """Create the world mesh and the flattened meshes of each purpose (collective: every rank calls it).
+        Without a process group (one process sharding nothing), every purpose is a `OneProcessMesh`."""
+        if not dist.is_initialized():
+            if self.world_size != 1:
+                raise RuntimeError(f"{self.describe()} needs a process group: call init_distributed() first")
+            one = OneProcessMesh()
+            return Meshes(dims=self, world=one, batch=one, fsdp=one, loss=one, cp=one, tp=one)
         names = ("dp_replicate", "dp_shard", "cp", "tp")
         world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                  mesh_dim_names=names)
@@ -168,6 +175,23 @@ def _hsdp_mesh(world: DeviceMesh, shard_cp: DeviceMesh) -> DeviceMesh:
     if concatenate is not None:  # torch >= 2.10: slicing a flattened dim from the root mesh is deprecated
         return concatenate([world["dp_replicate"], shard_cp])
     return world["dp_replicate", "dp_shard_cp"]
+
+
+class OneProcessMesh:
+    """The mesh of every purpose on a one-process run that shards nothing and so starts no process group (as
+    transformers' Trainer on one process): one rank, no group; `collectives` skips what would run over it. Never
+    handed to FSDP, TP or DTensor (a run that uses them starts a group)."""
+
+    ndim = 1
+
+    def size(self, mesh_dim: int | None = None) -> int:
+        return 1
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        return 0
+
+    def get_group(self, mesh_dim: int | str | None = None) -> None:
+        return None
 
 
 @dataclass(kw_only=True, frozen=True)

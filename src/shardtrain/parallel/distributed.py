@@ -118,6 +118,15 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def launched_alone() -> bool:
+    """Whether this process runs alone: no process group yet and no launcher (torchrun, or srun's variables)
+    started others."""
+    if dist.is_initialized():
+        return False
+    adopt_srun_environment()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+
+
 def get_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

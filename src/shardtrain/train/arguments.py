@@ -295,8 +295,14 @@ class TrainingArguments(transformers.TrainingArguments):
             raise TrainingArgumentsError(f"TrainingArguments.fsdp_config: {err}") from None
         if self.activation_checkpointing and not config.activation_checkpointing:  # keeps fsdp_config "selective"
             config.activation_checkpointing = True
-        self.fsdp_config = config
         self.fsdp_enabled = enabled or env_fsdp
+        if (not self.fsdp_enabled and self.fsdp is None and source is None and self.world_size > 1
+                and os.environ.get(env.USE_FSDP) is None):
+            # several processes and no word of FSDP (a transformers script under plain torchrun): data parallelism,
+            # as transformers' DDP runs it, i.e. FSDP2 holding whole parameters (no_shard); fsdp=False refuses
+            config.apply_sharding_strategy("no_shard")
+            self.fsdp_enabled = True
+        self.fsdp_config = config
         if self.bf16 is UNSET and self.fp16 is UNSET:
             chosen = config.mixed_precision or os.environ.get(env.MIXED_PRECISION) or accelerate.mixed_precision
             if chosen not in (None, "", "no", "bf16", "fp16"):

@@ -56,6 +56,7 @@ from transformers.trainer_utils import (
 )
 
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES
+from shardtrain.checkpoint.hf_files import saved_processor
 from shardtrain.checkpoint.layout import PREFIX
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
@@ -290,6 +291,9 @@ class Trainer(transformers.Trainer):
         self.hp_name = self.hp_search_backend = self.deepspeed = self.label_smoother = None
         self._trial = None  # the hyperparameter_search trial train() runs (Hugging Face's _hp_search_setup sets it)
         self.place_model_on_device = self.is_deepspeed_enabled = self.is_fsdp_xla_enabled = False
+        self.is_fsdp_xla_v1_enabled = self.is_fsdp_xla_v2_enabled = False
+        self.is_distributed_loading_by_transformers = False
+        self.hub_model_id = None  # Hugging Face sets it in init_hf_repo (push_to_hub); TRL's model card reads it
         self.is_model_parallel = False
         # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
         # whether shardtrain's FSDP2 does), so libraries do not hand their extra models to Accelerate's FSDP
@@ -377,6 +381,7 @@ class Trainer(transformers.Trainer):
                                         hf_layout=not self.args.fsdp_enabled, training_args=self.args)
             self._checkpoint_manager = manager
         manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
+        manager.processor = saved_processor(self.processing_class, self.data_collator)
         return manager
 
     # -- training -------------------------------------------------------------------------------------
@@ -913,7 +918,15 @@ class Trainer(transformers.Trainer):
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss averaged over every eval token on every rank, `compute_metrics`, and speed; logged. As Hugging
-        Face: `get_eval_dataloader(eval_dataset)`, then `evaluation_loop` (each an override point)."""
+        Face: `get_eval_dataloader(eval_dataset)`, then `evaluation_loop` (each an override point). A dict of
+        datasets (a `DatasetDict` too) is evaluated one by one under `<prefix>_<name>`, as Hugging Face."""
+        named = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(named, dict):
+            metrics: dict[str, float] = {}
+            for name, dataset in named.items():  # a name, so an override of get_eval_dataloader sees Hugging Face's
+                metrics.update(self.evaluate(dataset if eval_dataset is not None else name, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
+            return metrics
         self._memory_tracker.start()
         loader = self.get_eval_dataloader(eval_dataset)
         output = self.evaluation_loop(loader, "Evaluation", prediction_loss_only=True if self.compute_metrics is None
@@ -1023,7 +1036,9 @@ class Trainer(transformers.Trainer):
         return None
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        """This rank's contiguous share of the evaluation set, collated."""
+        """This rank's contiguous share of the evaluation set, collated (a str names one of a dict of sets)."""
+        if isinstance(eval_dataset, str):
+            return self._share_loader(self.eval_dataset[eval_dataset], f"eval_dataset[{eval_dataset!r}]")
         return self._share_loader(eval_dataset if eval_dataset is not None else self.eval_dataset, "eval_dataset")
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
@@ -1056,7 +1071,8 @@ class Trainer(transformers.Trainer):
         if self._overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
             return self._save_through_override(Path(output_dir or self.args.output_dir))
         return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
-                                              processing_class=self.processing_class,
+                                              processing_class=saved_processor(self.processing_class,
+                                                                               self.data_collator),
                                               args_json=self.args.to_json_string(), merge_adapters=merge_adapters,
                                               gather_on_rank0=_gather_on_rank0, max_shard_bytes=_max_shard_bytes)
 

@@ -1,6 +1,7 @@
 """Checkpoints that move between transformers' Trainer and shardtrain's.
 
-python hf_checkpoints.py hf|ours OUT [RESUME [half]] (ours also under torchrun: FSDP on every rank)
+python hf_checkpoints.py hf|ours OUT [RESUME [half]] (ours also under torchrun: FSDP on every rank; its
+checkpoints' layout from STATE_DICT_TYPE, FULL_STATE_DICT by default)
 A tiny Llama with tied embeddings, trained on one full batch (8 samples: the data order cannot matter) for 8
 steps with a checkpoint every 4; with RESUME, `train(resume_from_checkpoint=RESUME)` ("half": with half the global
 batch). Writes OUT/final (the model
@@ -35,7 +36,8 @@ def main() -> None:
         import shardtrain
 
         trainer_cls, args_cls = shardtrain.Trainer, shardtrain.TrainingArguments
-        extra = {"fsdp": "full_shard"} if world > 1 else {}
+        extra = {"fsdp": "full_shard", "fsdp_config": {"state_dict_type": os.environ.get(
+            "STATE_DICT_TYPE", "FULL_STATE_DICT")}} if world > 1 else {}
     per_device = SAMPLES // world // (2 if sys.argv[4:] == ["half"] else 1)
     args = args_cls(output_dir=str(out), per_device_train_batch_size=per_device, max_steps=STEPS,
                     save_steps=4, logging_steps=1, learning_rate=1e-2, weight_decay=0.1, warmup_steps=2,

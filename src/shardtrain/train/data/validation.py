@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardtrain.errors import DataError, UserError
 from shardtrain.model_facts import IGNORE_INDEX
+from shardtrain.parallel import collectives
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +159,7 @@ def validate_dataset(dataset: Any, *, name: str, limits: ModelLimits, check_samp
         raise DataError(f"{name} is empty (0 samples); pass a dataset with at least one sample")
     if not check_samples:
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = collectives.get_rank(), collectives.get_world_size()
     first: tuple[int, str] | None = None
     targets = 0
     for index in range(rank, len(dataset), world):
@@ -173,8 +173,7 @@ def validate_dataset(dataset: Any, *, name: str, limits: ModelLimits, check_samp
             first = (index, problem)
             break
         targets += count
-    found: list[Any] = [None] * world
-    dist.all_gather_object(found, (first, targets))
+    found = collectives.gather_objects((first, targets))
     problems = sorted(p for p, _ in found if p is not None)
     if problems:
         index, problem = problems[0]
@@ -200,18 +199,14 @@ def writable_problem(directory: str | Path, what: str) -> str | None:
 
 def agree(problem: str | None, error: type[UserError] = DataError) -> None:
     """Collective: if any rank found a problem, every rank raises `error` with the lowest rank's message."""
-    found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, problem)
-    problems = [p for p in found if p is not None]
+    problems = [p for p in collectives.gather_objects(problem) if p is not None]
     if problems:
         raise error(problems[0])
 
 
 def per_rank(value: Any) -> list[Any]:
     """Collective: every rank's `value` (picklable), in rank order."""
-    found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, value)
-    return found
+    return collectives.gather_objects(value)
 
 
 def over_data_ranks(local: int, all_reduce: Any, device: torch.device, dp_size: int, world_size: int) -> int:

@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import EvalPrediction
 from transformers.trainer_utils import PredictionOutput, speed_metrics
 
 from shardtrain.errors import DataError
 from shardtrain.model_facts import IGNORE_INDEX
+from shardtrain.parallel import collectives
 from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
@@ -154,7 +154,7 @@ class EvalLoop:
             for batch in loader:
                 last = batch
                 yield [0] * batch_rows(batch), batch
-            for _ in range(steps - counts[dist.get_rank()]):
+            for _ in range(steps - counts[collectives.get_rank()]):
                 if last is None:
                     raise DataError("the evaluation dataloader of this rank is empty while others have batches; "
                                     "give every rank at least one batch")
@@ -171,7 +171,8 @@ class EvalLoop:
         input_rows: list[np.ndarray] = []  # include_for_metrics ['inputs']
         positions: list[int] = []  # each collected row's place in the dataset (a stream's rows arrive strided)
         batch_result: dict | None = None  # batch_eval_metrics: what compute_metrics returned last
-        was_training = self.model.training
+        # left in eval mode, as Hugging Face's evaluation_loop: a library's log() after evaluate() reads
+        # model.training to tell evaluation metrics from training ones (TRL), and training_step calls model.train()
         self.model.eval()
         with torch.no_grad():
             for step, (indices, collated) in enumerate(batches):
@@ -218,7 +219,6 @@ class EvalLoop:
                     self.on_step(steps)
                 self.rows += real
         reshard_all(self.model)
-        self.model.train(was_training)
         self.backend.all_reduce(totals, group=self.loss_group)
         metrics = {f"{prefix}_loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
         predictions = label_ids = None
@@ -252,8 +252,7 @@ class EvalLoop:
         mine = (preds[seen[0]:], labels[seen[1]:], inputs[seen[2]:])
         if not self.keep_predictions:
             del preds[seen[0]:], labels[seen[1]:], inputs[seen[2]:]
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = collectives.gather_objects(mine)
         step_preds = [p for rank_preds, _, _ in gathered for p in rank_preds]
         step_labels = [label for _, rank_labels, _ in gathered for label in rank_labels]
         step_inputs = [row for *_, rank_inputs in gathered for row in rank_inputs]

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_checkpoint
 from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
+from shardtrain.checkpoint.hf_files import write_beside_model
 from shardtrain.checkpoint.model_state import model_config_dict
 from shardtrain.errors import OutputDirError
 from shardtrain.train.data.validation import agree, writable_problem
@@ -86,12 +87,7 @@ class ModelExport:
     def _side_files(out: Path, processing_class: Any, args_json: str | None) -> Callable[[nn.Module], None]:
         """generation_config.json (generative models), the processing class's files, training_args.json."""
         def write(model: nn.Module) -> None:
-            generation = getattr(model, "generation_config", None)
-            can_generate = getattr(model, "can_generate", lambda: False)()
-            if generation is not None and can_generate:
-                generation.save_pretrained(out)
-            if hasattr(processing_class, "save_pretrained"):
-                processing_class.save_pretrained(out)
+            write_beside_model(out, model, processing_class)
             if args_json is not None:
                 (out / "training_args.json").write_text(args_json)
         return write

@@ -15,11 +15,11 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardtrain.checkpoint.model_state import frozen_digests, frozen_identity
 from shardtrain.errors import PeftError, TrainingArgumentsError
+from shardtrain.parallel import collectives
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.layout import apply_layout
@@ -63,8 +63,7 @@ class ModelPreparation:
                                 "from_pretrained(path)) and pass it with peft_config")
             model = add_adapters(model, peft_config)
         if is_peft_model(model):  # before sharding (full tensors); each rank hashes a share of the base
-            shares: list[Any] = [None] * backend.world_size
-            dist.all_gather_object(shares, frozen_digests(model, backend.rank, backend.world_size))
+            shares = collectives.gather_objects(frozen_digests(model, backend.rank, backend.world_size))
             frozen_base = frozen_identity(model, {k: v for share in shares for k, v in share.items()})
         for name, size in (("tp_size", dims.tp), ("ep_size", dims.ep)):
             if frozen_base is not None and size > 1:

@@ -7,12 +7,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardtrain.errors import TrainingArgumentsError
+from shardtrain.parallel import collectives
 from shardtrain.train.arguments import TrainingArguments
 
 
@@ -114,11 +114,11 @@ def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, world_size: 
     if carry is not None:  # one all-reduce for both
         both = torch.cat([sumsq.reshape(1), carry.to(sumsq.device, torch.float64).reshape(-1)])
         if world_size > 1:
-            dist.all_reduce(both)
+            collectives.all_reduce(both)
         sumsq = both[0]
         carry.copy_(both[1:].reshape(carry.shape).to(carry.device))
     elif world_size > 1:
-        dist.all_reduce(sumsq)
+        collectives.all_reduce(sumsq)
     norm = sumsq.sqrt()
     if max_norm > 0:
         factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)

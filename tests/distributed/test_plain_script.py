@@ -1,0 +1,24 @@
+"""A transformers script that never mentions FSDP, with only its import switched: on one process it starts no
+process group (as transformers' Trainer, so a library's cleanup that asks `dist.is_initialized()` takes the
+one-process path); under plain torchrun on 2 ranks it trains data parallel (FSDP2 without sharding, DDP's math)
+and logs the losses of the one process (padding and tied embeddings included)."""
+
+from pathlib import Path
+
+from launch import python, read_json, torchrun
+
+SCRIPT = Path(__file__).parent / "workers" / "plain_script.py"
+
+
+def test_one_process_starts_no_group_and_torchrun_runs_data_parallel(tmp_path):
+    python(SCRIPT, str(tmp_path / "one"), pooled=False)  # a fresh process, as a user runs it
+    torchrun(SCRIPT, 2, str(tmp_path / "two"), pooled=False)
+    one, two = read_json(tmp_path / "one" / "result.json"), read_json(tmp_path / "two" / "result.json")
+    assert (one["group_after_train"], one["group_after_evaluate"], one["fsdp_enabled"]) == (False, False, False)
+    assert (two["fsdp_enabled"], two["sharding"]) == (True, "no_shard")
+    assert len(one["losses"]) == 4
+    for a, b in zip(one["losses"], two["losses"], strict=True):
+        assert abs(a - b) < 1e-5, (one["losses"], two["losses"])
+    assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
+    for run in ("one", "two"):  # checkpoints were written on both
+        assert (tmp_path / run / "checkpoint-4" / "trainer_state.json").is_file()
