@@ -317,6 +317,13 @@ class ColumnFilter:
         return self.collator([{k: v for k, v in item.items() if k in self.keep} if isinstance(item, dict) else item
                               for item in items])
 
+    def __getattr__(self, name: str) -> Any:
+        # the collator's own attributes, as on Hugging Face's `trainer.data_collator` (its `tokenizer`, which
+        # transformers saves when there is no processing_class)
+        if name in ("collator", "keep"):
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
 
 def forward_columns(model: torch.nn.Module) -> frozenset[str]:
     """The parameter names of `model.forward` plus the label names: what `remove_unused_columns` keeps (as
