@@ -83,3 +83,22 @@ def test_a_loss_averaged_per_device_fails_with_the_step_and_the_size(tmp_path):
     verdict = proc.stdout.splitlines()[-1]
     assert verdict.startswith(f"verdict: DIFFERS - 2 x acc 1 leaves one process at step 1, by up to "
                               f"{max(float(loss), float(grad), float(weight)):.3g}")
+
+
+def test_a_per_micro_batch_mean_is_named_from_the_numbers(tmp_path):
+    proc = _verify(tmp_path, "--layouts", "2", "--accumulation", "1,2", "--steps", "2", SCRIPTS / "per_device_mean.py")
+    assert proc.returncode == 1, explain(proc)
+    assert "step 1's loss already differs" in proc.stdout
+    assert "the step-1 difference changes with accumulation (acc 1: " in proc.stdout
+    assert proc.stdout.split("candidate causes, most likely first:\n")[1].startswith("  1. normalisation:")
+    assert proc.stdout.splitlines()[-1].endswith("most likely: normalisation")
+
+
+def test_a_rank_dependent_term_is_not_blamed_on_normalisation(tmp_path):
+    proc = _verify(tmp_path, "--layouts", "2", "--accumulation", "1,2", "--steps", "2", SCRIPTS / "rank_term.py")
+    assert proc.returncode == 1, explain(proc)
+    assert "step 1's loss already differs (0.005 on 2 x acc 1)" in proc.stdout
+    assert "the step-1 difference does not change with accumulation" in proc.stdout
+    assert "the final weights agree: the difference is in the reported loss only" in proc.stdout
+    assert proc.stdout.split("candidate causes, most likely first:\n")[1].startswith("  1. rank-dependent code:")
+    assert proc.stdout.splitlines()[-1].endswith("most likely: rank-dependent code")

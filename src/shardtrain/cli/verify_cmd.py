@@ -122,6 +122,7 @@ def compare(reference: tuple[dict, dict], run: tuple[dict, dict], tolerance: flo
         if first_param is None and not diff <= tolerance:
             first_param = name
     return {"loss": max(loss_diff, default=0.0), "grad_norm": max(norm_diff, default=0.0), "weights": weight_diff,
+            "step1_loss": loss_diff[0] if loss_diff else 0.0,
             "first_step": first_step, "first_parameter": first_param,
             "equal": first_step is None and first_param is None}
 
@@ -194,11 +195,72 @@ def _verify(args: argparse.Namespace, layouts: list[VerifyLayout], work: Path, k
         print(f"verdict: layout-dependent by nature - {ref['layout_dependent']}. {layout.label} differs from one "
               f"process from {where} (by up to {size:.3g}); that follows from the model or the loss, not from a bug")
         return 3
+    evidence, causes = diagnose(results, args.tolerance)
+    print("what the numbers show:")
+    for line in evidence:
+        print(f"  - {line}")
+    print("candidate causes, most likely first:")
+    for i, cause in enumerate(causes, 1):
+        print(f"  {i}. {CAUSES[cause]}")
     print(f"verdict: DIFFERS - {layout.label} leaves one process at {where}, by up to {size:.3g} (tolerance "
-          f"{args.tolerance:g}); first parameter beyond it: {first['first_parameter'] or 'none'}. A loss averaged "
-          f"per device or per micro-batch instead of over the global batch is the usual cause (see "
-          f"Trainer.compute_loss's num_items_in_batch)")
+          f"{args.tolerance:g}); first parameter beyond it: {first['first_parameter'] or 'none'}; most likely: "
+          f"{cause_name(causes[0])}")
     return 1
+
+
+CAUSES = {
+    "normalisation": "normalisation: a loss averaged per device or per micro-batch instead of over the global "
+                     "batch (return the token sum / Trainer.compute_loss's num_items_in_batch)",
+    "rank": "rank-dependent code: a term that reads the rank or the number of processes, or data a rank builds for "
+            "itself",
+    "randomness": "unseeded randomness: a draw that does not come from the Trainer's seed (masks, augmentation, "
+                  "sampling in the loss)",
+    "data order": "data order: a sampler or dataset order of the script's own that depends on the layout",
+}
+
+
+def cause_name(cause: str) -> str:
+    return CAUSES[cause].split(":")[0]
+
+
+def diagnose(results: list[tuple[VerifyLayout, dict]], tolerance: float) -> tuple[list[str], list[str]]:
+    """What the differing runs show, and the candidate causes ordered by it: whether step 1's loss already differs
+    (before any update), whether the difference changes with accumulation at the same layout (a per-micro-batch
+    mean does, a rank-dependent term does not), whether the weights follow, where the first parameter is."""
+    evidence: list[str] = []
+    causes = list(CAUSES)
+    differing = [(layout, r) for layout, r in results if not r["equal"]]
+    layout, first = differing[0]
+    if first["step1_loss"] > tolerance:
+        evidence.append(f"step 1's loss already differs ({first['step1_loss']:.3g} on {layout.label}), before any "
+                        "update: the loss is computed differently, not the updates")
+    elif first["first_step"]:
+        evidence.append(f"step 1's loss is the same; the runs part at step {first['first_step']}, after updates: the "
+                        "gradients (or the steps' randomness) differ")
+        causes = ["normalisation", "randomness", "rank", "data order"]
+    by_sizes: dict[str, list[tuple[VerifyLayout, dict]]] = {}
+    for run_layout, r in results:
+        by_sizes.setdefault(run_layout.name, []).append((run_layout, r))
+    for name, runs in by_sizes.items():
+        if len(runs) < 2 or all(r["step1_loss"] <= tolerance for _, r in runs):
+            continue
+        step1 = ", ".join(f"acc {run_layout.accumulation}: {r['step1_loss']:.3g}" for run_layout, r in runs)
+        spread = max(r["step1_loss"] for _, r in runs) - min(r["step1_loss"] for _, r in runs)
+        if spread > max(tolerance, 1e-3 * max(r["step1_loss"] for _, r in runs)):
+            evidence.append(f"on {name} the step-1 difference changes with accumulation ({step1}): a loss "
+                            "averaged per micro-batch does that")
+            causes = ["normalisation", *[c for c in causes if c != "normalisation"]]
+        else:
+            evidence.append(f"on {name} the step-1 difference does not change with accumulation ({step1}): a "
+                            "per-micro-batch mean would change it; a term that depends on the rank does not")
+            causes = ["rank", *[c for c in causes if c != "rank"]]
+    if first["weights"] <= tolerance:
+        evidence.append("the final weights agree: the difference is in the reported loss only, a term that does "
+                        "not reach the gradients")
+    elif first["first_parameter"]:
+        evidence.append(f"the first parameter beyond the tolerance is {first['first_parameter']} (by up to "
+                        f"{first['weights']:.3g})")
+    return evidence, causes
 
 
 def add_verify_parser(subparsers: argparse._SubParsersAction) -> None:
