@@ -92,6 +92,31 @@ def test_cli_plans_for_this_machine_by_default_and_takes_launch_spelling(config_
     assert json.loads(capsys.readouterr().out)["settings"]["target"] == "cpu"
 
 
+def test_a_gpu_target_gets_no_step_time_measured_on_this_cpu(config_json, capsys):
+    """--target cuda (or --device-memory, which names a GPU) without a GPU here and without a rate: the memory plan,
+    and no step time (a CPU matmul says nothing of a GPU); --accelerator NAME plans with the table's figures."""
+    base = ["plan", str(config_json), "--world-size", "2", "--batch", "2", "--seq-len", "16", "--no-what-if"]
+    for extra in (["--target", "cuda"], ["--device-memory", "80GiB"]):
+        assert main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        assert out.splitlines()[0].startswith("Planned for cuda (")
+        assert "no step time: no GPU here to measure one, pass --accelerator NAME" in out.splitlines()[0]
+        assert "step time" not in "\n".join(out.splitlines()[1:]).lower()
+    assert main([*base, "--bf16", "--accelerator", "h100-sxm", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["settings"]["target"] == "cuda"
+    assert result["step_time"]["flops_rate"] == pytest.approx(989e12)  # the table's bf16 peak, not a CPU's
+    assert result["step_time"]["link_rate"] == pytest.approx(450e9)
+    assert main([*base, "--accelerator", "tpu-v9"]) == 2
+    assert "--accelerator 'tpu-v9' is not in the table (h100-sxm, " in capsys.readouterr().err
+
+
+def test_plan_help_describes_and_shows_examples(capsys):
+    assert main(["plan", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out and "--accelerator h100-sxm" in out and "mi300x" in out
+
+
 def test_torch_older_than_the_traced_step_needs_is_refused():
     """torch 2.11 traced a 1.2B Llama's peak at 36.8 GiB where an H100 measured 20.55 GiB, torch 2.9 cannot trace
     at all: the planner names the version and the fix instead of predicting wrong figures."""

@@ -1,8 +1,14 @@
 """`shardtrain plan`: will it fit? Per-rank memory and step time of a Trainer run, predicted from a traced step.
 
-shardtrain plan config.json --world-size 8 --batch 4 --seq-len 2048 --bf16 --device-memory 80GiB
-shardtrain plan MODEL_DIR --fsdp-config fsdp.json --dp-shard 4 --dp-replicate 2 --activation-checkpointing --json
-python -m shardtrain.cli.main plan ...
+The model is built on the meta device from its config (nothing is downloaded or allocated) and one training step
+is traced under the layout: the peak memory per rank, what holds it, and the FLOPs and collective bytes that give
+the step time on the target device.
+
+examples:
+  shardtrain plan config.json --world-size 8 --batch 4 --seq-len 2048 --bf16 --accelerator h100-sxm
+  shardtrain plan MODEL_DIR --fsdp-config fsdp.json --dp-shard 4 --dp-replicate 2 --activation-checkpointing --json
+  shardtrain plan config.json --world-size 64 --bf16 --target cuda --device-memory 80GiB --tflops 400 --link-gbps 50
+  shardtrain plan config.json --world-size 2 --target cpu          # this machine's CPU, rates measured here
 """
 
 from __future__ import annotations
@@ -51,8 +57,11 @@ def _ac_value(text: str) -> bool | str:
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `shardtrain plan` on the top-level subparsers."""
+    from shardtrain.plan.accelerators import table
+
     plan = subparsers.add_parser(
-        "plan", allow_abbrev=False,
+        "plan", allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"--accelerator NAME (datasheet peaks, dense; a real step reaches a fraction of them):\n{table()}",
         help="predict per-rank memory (and whether it fits) and step time of a training run; nothing is downloaded")
     _take_underscores(plan)
     plan.add_argument("model", help="a transformers config.json, or a model directory that holds one")
@@ -78,9 +87,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--loss-chunk-size", metavar="TOKENS|auto",
                       help="as TrainingArguments.loss_chunk_size: LM head + cross entropy that many tokens at a time")
     plan.add_argument("--device-memory", help="memory of one device, e.g. 80GiB: does it fit, and what would")
+    plan.add_argument("--accelerator", metavar="NAME",
+                      help="the GPU the run trains on, from the table below: its memory, peak rate and link "
+                      "(flags given beside it win)")
     plan.add_argument("--target", choices=("cuda", "cpu"),
-                      help="the device kind the run trains on (default: this machine's: cuda when a GPU is "
-                      "visible, else cpu; cpu: offloaded state counts too)")
+                      help="the device kind the run trains on (default: cuda with --accelerator or "
+                      "--device-memory, or when a GPU is visible here; else cpu: offloaded state counts too)")
     plan.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s (default: measured here)")
     plan.add_argument("--link-gbps", type=float, help="link rate per rank in GB/s (default: a local stand-in)")
     plan.add_argument("--no-step-time", action="store_true", help="skip the step-time estimate")
@@ -93,14 +105,36 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 def run_plan(args: argparse.Namespace) -> int:
     """Entry of `shardtrain plan`: `shardtrain.plan.plan` (imported lazily: it imports torch and transformers)."""
+    import torch
+
     from shardtrain.plan import plan
+    from shardtrain.plan.accelerators import accelerator
 
+    try:
+        device = accelerator(args.accelerator) if args.accelerator else None
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     why = "--target"
-    if args.target is None:
-        import torch
-
+    if args.target is None and (device is not None or args.device_memory):
+        args.target, why = "cuda", f"--{'accelerator' if device is not None else 'device-memory'} names a GPU"
+    elif args.target is None:
         args.target = "cuda" if torch.cuda.is_available() else "cpu"
         why = "a GPU is visible here" if args.target == "cuda" else "no GPU is visible here; --target cuda for GPUs"
+    if device is not None:
+        if args.target != "cuda":
+            print(f"error: --accelerator {device.name} is a GPU but --target is {args.target}; drop one",
+                  file=sys.stderr)
+            return 2
+        args.device_memory = args.device_memory or f"{device.memory_gib:g}GiB"
+        args.tflops = args.tflops or device.tflops("bf16" if args.bf16 else "fp32")
+        args.link_gbps = args.link_gbps or device.link_gbps
+        why += f"; {device.name}: {args.tflops:g} TFLOP/s peak, {args.link_gbps:g} GB/s"
+    no_rate = args.target == "cuda" and not torch.cuda.is_available() and args.tflops is None
+    if no_rate and not args.no_step_time:  # a CPU matmul says nothing of a GPU's step
+        args.no_step_time = True
+        why += ("; no step time: no GPU here to measure one, pass --accelerator NAME (or --tflops and "
+                "--link-gbps)")
     try:
         result = plan(args.model, fsdp_config=args.fsdp_config, world_size=args.world_size,
                       dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep,
