@@ -143,3 +143,29 @@ def test_batch_eval_metrics_needs_a_compute_result_argument(tmp_path):
         check_compute_metrics(args, lambda prediction: {})
     check_compute_metrics(args, lambda prediction, compute_result: {})
     check_compute_metrics(TrainingArguments(output_dir=str(tmp_path)), lambda prediction: {})
+
+
+def test_bf16_without_a_gpu_needs_the_cpu_chosen_as_transformers_and_trl_say(tmp_path, monkeypatch):
+    """TRL's configs turn bf16 on by default; on a machine without a GPU transformers (so TRL) refuses it unless
+    use_cpu is set. Ours says so the same way, in one error naming the fix, instead of running without a word."""
+    import torch
+    import transformers
+    import trl
+
+    import shardtrain.trl
+
+    assert not torch.cuda.is_available()
+    monkeypatch.delenv("SHARDTRAIN_CPU", raising=False)
+    with pytest.raises(ValueError, match="use_cpu"):
+        trl.SFTConfig(output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="use_cpu"):
+        transformers.TrainingArguments(output_dir=str(tmp_path), bf16=True)
+    for build in (lambda: shardtrain.trl.SFTConfig(output_dir=str(tmp_path)),
+                  lambda: TrainingArguments(output_dir=str(tmp_path), bf16=True)):
+        with pytest.raises(TrainingArgumentsError, match=r"bf16 = True but no GPU is visible here .* set "
+                                                         r"use_cpu=True \(or `shardtrain launch --cpu`\)"):
+            build()
+    assert trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True).bf16  # what both then run: bf16 on CPU
+    assert shardtrain.trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True).bf16
+    monkeypatch.setenv("SHARDTRAIN_CPU", "1")  # shardtrain launch --cpu
+    assert TrainingArguments(output_dir=str(tmp_path), bf16=True).bf16

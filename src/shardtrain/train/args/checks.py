@@ -201,6 +201,12 @@ def check_choices(args: Any) -> None:
 
 def check_conflicts(args: Any) -> None:
     config: FSDPConfig = args.fsdp_config  # type: ignore[assignment]
+    if args.bf16 and not args.use_cpu and not config.xla and not _cpu_chosen():
+        import torch
+
+        if not torch.cuda.is_available():  # transformers refuses it, and TRL's configs turn bf16 on by default
+            fail("bf16", "= True but no GPU is visible here and the run was not asked to train on CPU; set "
+                         "use_cpu=True (or `shardtrain launch --cpu`) to train on CPU in bf16, or bf16=False")
     if args.fsdp_enabled and config.activation_checkpointing and args.gradient_checkpointing:
         fail("gradient_checkpointing", "and fsdp_config 'activation_checkpointing' are both set; under "
                    "FSDP use activation_checkpointing only (gradient_checkpointing re-gathers parameters)")
@@ -282,3 +288,10 @@ def _step_guard_setting(value: Any) -> bool | dict | None:
                                              "'{\"spike_factor\": 10}'") from None
     StepGuardConfig.from_setting(value)
     return value
+
+
+def _cpu_chosen() -> bool:
+    """Whether the launcher chose CPU processes (`shardtrain launch --cpu` / use_cpu: true)."""
+    from shardtrain.config import env
+
+    return env.env_flag(env.CPU)
