@@ -37,7 +37,8 @@ def runs(tmp_path_factory) -> Path:
         exported = root / f"{run}_exported" / "checkpoint-4"
         assert main(["merge", "--hf-checkpoint", str(root / run / "checkpoint-4"), str(exported)]) == 0
         python(WORKER, "hf", str(root / f"hf_from_{run}"), str(exported))
-    python(WORKER, "ours", str(root / "plain_from_fsdp2"), str(root / "fsdp2" / "checkpoint-4"))
+    plain = python(WORKER, "ours", str(root / "plain_from_fsdp2"), str(root / "fsdp2" / "checkpoint-4"))
+    (root / "plain_from_fsdp2" / "stderr.txt").write_text(plain.stderr)
     # our checkpoint-4 with its model rewritten as shards and an index after it was written (as transformers'
     # own tests do): the files listed in its manifest are gone, the ones there now are read instead
     resharded = root / "resharded" / "checkpoint-4"
@@ -111,6 +112,14 @@ def test_transformers_resumes_an_exported_fsdp_checkpoint_with_its_optimizer(run
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= names
     assert not names & {"manifest.json", "shardtrain_state.json", "sharded", "optimizer"}
     assert_ends_alike(runs, f"hf_from_{run}", "fsdp2", tol=1e-5)
+
+
+def test_the_same_global_batch_on_other_ranks_resumes_without_a_batch_warning(runs):
+    """2 ranks x 4 resumed on 1 process x 8: the same global batch, an exact resume; Hugging Face's per-device
+    batch warning would be noise there."""
+    said = (runs / "plain_from_fsdp2" / "stderr.txt").read_text()
+    assert "per_device_train_batch_size" not in said and "global batch" not in said
+    assert result(runs, "plain_from_fsdp2")["global_step"] == 8
 
 
 def test_another_global_batch_goes_on_with_a_warning_as_transformers_does(runs):

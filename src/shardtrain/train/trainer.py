@@ -524,11 +524,14 @@ class Trainer(transformers.Trainer):
 
     def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
         saved = CheckpointManager.read_state(resume)
-        if self.rank == 0:  # Hugging Face's warning on logging/eval/save steps and batch sizes that changed
-            compare_trainer_and_checkpoint_args(self.args, TrainerState.from_dict(saved))
         # a transformers checkpoint holds no batch plan; one of another global batch goes on with this run's plan,
         # as transformers' Trainer goes on, with a warning that it no longer equals an uninterrupted run
         same_plan = saved.get("global_batch_size") == plan.global_batch_size
+        if self.rank == 0:  # Hugging Face's warning on logging/eval/save steps and batch sizes that changed; not on
+            # a per-device batch that changed with the ranks while the global batch stayed (an exact resume)
+            compared = {**saved, "train_batch_size": self.args.per_device_train_batch_size * max(1, self.args.n_gpu)} \
+                if same_plan else saved
+            compare_trainer_and_checkpoint_args(self.args, TrainerState.from_dict(compared))
         if "global_batch_size" in saved and not same_plan and self.rank == 0:
             warnings.warn(f"{resume} was trained with a global batch of {saved['global_batch_size']} samples, this "
                           f"run has {plan.global_batch_size}: it goes on from step {saved.get('global_step')} with the "
