@@ -7,9 +7,22 @@ Names are imported on first use, so `shardtrain config` and other light commands
 importing torch and transformers.
 """
 
+import logging
 from importlib import import_module
 
 __version__ = "0.1.0"
+
+
+class _WrongDDPAdvice(logging.Filter):
+    """transformers' own `TrainingArguments` built under torchrun on CPU says "launch your script with `python -m
+    torch.distributed.launch`" (Accelerate starts a group but calls the run not distributed). Under shardtrain's
+    Trainer the run is data parallel on that group, so the advice is wrong: it is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "In order to use Torch DDP, launch your script with" not in record.getMessage()
+
+
+logging.getLogger("transformers.training_args").addFilter(_WrongDDPAdvice())
 
 _EXPORTS = {
     "CheckpointError": "shardtrain.errors",

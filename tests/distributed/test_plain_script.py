@@ -5,7 +5,7 @@ and logs the losses of the one process (padding and tied embeddings included).""
 
 from pathlib import Path
 
-from launch import python, read_json, torchrun
+from launch import python, read_json, torchrun, worker_env
 
 SCRIPT = Path(__file__).parent / "workers" / "plain_script.py"
 
@@ -22,3 +22,12 @@ def test_one_process_starts_no_group_and_torchrun_runs_data_parallel(tmp_path):
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-5
     for run in ("one", "two"):  # checkpoints were written on both
         assert (tmp_path / run / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+def test_transformers_own_arguments_under_torchrun_get_no_wrong_ddp_advice(tmp_path):
+    """transformers' TrainingArguments built under torchrun on CPU log "launch your script with `python -m
+    torch.distributed.launch`"; under shardtrain's Trainer the run is data parallel, so that line is not shown."""
+    proc = torchrun(SCRIPT, 2, str(tmp_path / "two"), pooled=False, env=worker_env(HF_ARGS="1"))
+    assert "torch.distributed.launch" not in proc.stdout + proc.stderr
+    assert "Trainer got transformers.training_args.TrainingArguments" in proc.stderr  # our one warning
+    assert read_json(tmp_path / "two" / "result.json")["sharding"] == "no_shard"
