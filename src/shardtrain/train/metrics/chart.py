@@ -34,9 +34,22 @@ def series(entries: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
     return [s for s, _ in rows], [v for _, v in rows]
 
 
+def skipped_steps(entries: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
+    """(steps, counts) where the step guard skipped a step: each entry whose `skipped_steps` count went up."""
+    steps, counts, seen = [], [], 0
+    for entry in entries:
+        count = entry.get("skipped_steps")
+        if isinstance(count, int) and count > seen:
+            steps.append(entry["step"])
+            counts.append(float(count))
+            seen = count
+    return steps, counts
+
+
 def panel_series(entries: list[dict[str, Any]]) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     """What each panel plots: panel -> label -> (steps, values)."""
-    return {"loss": {"train loss": series(entries, "loss"), "eval loss": series(entries, "eval_loss")},
+    return {"loss": {"train loss": series(entries, "loss"), "eval loss": series(entries, "eval_loss"),
+                     "skipped step": skipped_steps(entries)},
             "learning_rate": {"learning rate": series(entries, "learning_rate")},
             "grad_norm": {"gradient norm": series(entries, "grad_norm")},
             "throughput_memory": {"tokens/s": series(entries, "tokens_per_second"),
@@ -51,11 +64,19 @@ def draw_report(metrics_file: str | Path, out: str | Path) -> Path:
     """
     try:
         # the object API, not pyplot: no global figure state, and no pyplot import (library code, rank 0 only)
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401
     except ImportError as err:
         raise ImportError("drawing report.png needs matplotlib: pip install 'shardtrain[report]'") from err
-    entries = read_metrics(metrics_file)
+    out = Path(out)
+    draw_figure(read_metrics(metrics_file)).savefig(out, dpi=80)
+    return out
+
+
+def draw_figure(entries: list[dict[str, Any]]) -> Any:
+    """The report's matplotlib `Figure` for the `entries` of a metrics.jsonl."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     data = panel_series(entries)
     # Fixed margins, not constrained_layout: the layout engine measured every tick label twice and took half of
     # the ~0.5 CPU-s a drawing cost, paid at the end of every run
@@ -64,7 +85,11 @@ def draw_report(metrics_file: str | Path, out: str | Path) -> Path:
     fig.subplots_adjust(left=0.07, right=0.93, bottom=0.08, top=0.95, wspace=0.3, hspace=0.35)
     (loss, lr), (grad, speed) = fig.subplots(2, 2)
     loss.plot(*data["loss"]["train loss"], label="train loss")
-    loss.plot(*data["loss"]["eval loss"], "o-", label="eval loss")
+    # evaluation points as markers: a line between two of them would claim values nobody measured
+    loss.plot(*data["loss"]["eval loss"], "o", linestyle="none", label="eval loss")
+    for i, step in enumerate(data["loss"]["skipped step"][0]):
+        loss.axvline(step, color="tab:red", linestyle=":", linewidth=1,
+                     label="skipped step (step guard)" if i == 0 else None)
     loss.set_title("loss")
     loss.legend()
     lr.plot(*data["learning_rate"]["learning rate"], color="tab:green")
@@ -79,12 +104,11 @@ def draw_report(metrics_file: str | Path, out: str | Path) -> Path:
     memory.plot(*data["throughput_memory"]["peak memory (MiB)"], "--", color="tab:gray",
                 label=f"{kind} (MiB, max rank)")
     memory.set_ylabel("MiB")
-    memory.legend(loc="lower right")
+    lines = speed.get_lines() + memory.get_lines()  # one legend for both axes: tokens/s and memory
+    memory.legend(lines, [line.get_label() for line in lines], loc="lower right")
     for ax in (loss, lr, grad, speed):
         ax.set_xlabel("step")
-    out = Path(out)
-    fig.savefig(out, dpi=80)
-    return out
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
