@@ -297,9 +297,10 @@ class TrainingArguments(transformers.TrainingArguments):
             config.activation_checkpointing = True
         self.fsdp_enabled = enabled or env_fsdp
         if (not self.fsdp_enabled and self.fsdp is None and source is None and self.world_size > 1
-                and os.environ.get(env.USE_FSDP) is None):
+                and os.environ.get(env.USE_FSDP) is None and not os.environ.get(env.LAUNCHED)):
             # several processes and no word of FSDP (a transformers script under plain torchrun): data parallelism,
-            # as transformers' DDP runs it, i.e. FSDP2 holding whole parameters (no_shard); fsdp=False refuses
+            # as transformers' DDP runs it, i.e. FSDP2 holding whole parameters (no_shard). fsdp=False, or
+            # `shardtrain launch` with FSDP off, is refused on several ranks
             config.apply_sharding_strategy("no_shard")
             self.fsdp_enabled = True
         self.fsdp_config = config
