@@ -12,6 +12,7 @@ the default; `XlaBackend` (`shardtrain.parallel.xla`) is chosen by `fsdp_config`
 from __future__ import annotations
 
 import warnings
+from types import MethodType
 from typing import Any
 
 import torch
@@ -29,6 +30,20 @@ from shardtrain.parallel.states import TorchStates
 
 # where a model object's weights come from (`TrainingBackend._weight_source`; else a directory and its read plan)
 IN_MODEL, RANK0 = "in_model", "rank0"
+
+
+def autocast_forward(model: nn.Module, device_type: str) -> None:
+    """The model's current forward under bf16 `torch.autocast`, its outputs back in fp32, as Accelerate prepares a
+    model for transformers' Trainer at the start of `train()` / evaluation: after a library's own patches (TRL's
+    fused LM head replaces `forward`), so its loss runs in bf16 as under transformers. Once per forward."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    if getattr(model.forward, "_under_autocast", False):
+        return
+    forward = model.forward.__func__ if hasattr(model.forward, "__func__") else model.forward
+    wrapped = convert_outputs_to_fp32(torch.autocast(device_type, dtype=torch.bfloat16)(forward))
+    wrapped._under_autocast = True
+    model.forward = MethodType(wrapped, model) if hasattr(model.forward, "__func__") else wrapped
 
 
 class TrainingBackend:
@@ -145,6 +160,12 @@ class TrainingBackend:
                 "from_pretrained(DIR, device_map='meta') (it reads nothing; each rank then reads only its shards) "
                 "or pass the directory as Trainer(model=DIR)", stacklevel=3)
         return IN_MODEL
+
+    def prepare_forward(self, model: nn.Module) -> None:
+        """At the start of training and evaluation: bf16 without FSDP runs the model's forward under autocast
+        (`autocast_forward`), as Accelerate does for transformers' Trainer; FSDP2's bf16 is its parameters'."""
+        if self.spec.fsdp is None and self.spec.mixed_precision == "bf16":
+            autocast_forward(model, self.device.type)
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -393,6 +393,7 @@ class Trainer(transformers.Trainer):
         if self.model_init is not None:
             self._reinit_model(trial)
         self._hp_search_setup(trial)  # Hugging Face's: a trial's hyperparameters into args (and self._trial)
+        self.backend.prepare_forward(self.model)  # after a library's own patches, as Accelerate's prepare
         check_training_inputs(args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
                               cp_size=self.dims.cp, custom_loss=self._custom_loss)
         self._check_datasets()
@@ -960,6 +961,7 @@ class Trainer(transformers.Trainer):
         other loader's batches (an override's) are this rank's, gathered in rank order.
         """
         args = self.args
+        self.backend.prepare_forward(self.model)
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
         if not isinstance(dataloader, ShareLoader) and (self.dims.cp > 1 or self.dims.tp > 1):
             raise TrainingArgumentsError(
