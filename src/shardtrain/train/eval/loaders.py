@@ -38,12 +38,12 @@ def rank_share(length: int, *, dp_rank: int, dp_size: int, batch_size: int, drop
 class ShareLoader(DataLoader):
     """This data-parallel rank's share of an evaluation dataset, batched as every rank evaluates it.
 
-    A map-style dataset: rank r's contiguous block, in dataset order, in as many batches on every rank (a short
-    block ends with placeholder rows: sample 0 with every label ignored), so every rank runs the same forward
-    passes, which FSDP's collectives need. A stream (no length): every rank reads it and keeps every dp-th element
-    from its rank on; a rank that runs out first goes on with placeholder batches in `indexed(pad=True)` until
-    every rank has (the evaluation loop agrees on that each step). Each batch is collated under its own seed, so a
-    collator that draws random numbers leaves dropout's RNG alone.
+    A map-style dataset: rank r's contiguous block, in dataset order, in as many batches on every rank (a rank
+    with a shorter block ends with one-row placeholder batches: sample 0 with every label ignored), so every rank
+    runs the same forward passes, which FSDP's collectives need. A stream (no length): every rank reads it and
+    keeps every dp-th element from its rank on; a rank that runs out first goes on with placeholder batches in
+    `indexed(pad=True)` until every rank has (the evaluation loop agrees on that each step). Each batch is
+    collated under its own seed, so a collator that draws random numbers leaves dropout's RNG alone.
 
     Attributes:
         samples: the samples evaluated over every rank (None for a stream: known at its end).
@@ -62,8 +62,11 @@ class ShareLoader(DataLoader):
                               drop_last=drop_last)
             per_rank = len(mine) if drop_last else -(-len(dataset) // dp_size)
             steps = max(1, -(-per_rank // batch_size))
-            mine += [-1] * (steps * batch_size - len(mine))
-            self.positions = [mine[step * batch_size:(step + 1) * batch_size] for step in range(steps)]
+            # a short last batch stays short, as under Hugging Face: a library's own loss over it (TRL's KTO, with
+            # a collator that needs every column) sees real rows only; a rank with fewer batches than the others
+            # runs one-row placeholder batches for the collectives
+            self.positions = [mine[start:start + batch_size] for start in range(0, len(mine), batch_size)]
+            self.positions += [[-1]] * (steps - len(self.positions))
             super().__init__(CollatingDataset(dataset, collator),
                              batch_sampler=_Batches(self.positions, seed, dp_rank), collate_fn=passthrough)
             self.samples = len(dataset)
@@ -91,9 +94,22 @@ class _Batches(Sampler):
         return len(self.batches)
 
 
+class PendingBatch:
+    """A placeholder batch not collated yet: the evaluation loop collates it (`collate()`) only when another rank
+    still has rows, so a library's collator never sees a placeholder the run does not need."""
+
+    def __init__(self, collator: Callable, row: dict[str, Any], seed: int) -> None:
+        self.collator, self.row, self.seed = collator, row, seed
+
+    def collate(self) -> Any:
+        with isolated_rng(self.seed):
+            return self.collator([self.row])
+
+
 class _StreamShare(IterableDataset):
-    """A stream's every dp-th element from `dp_rank` on, in collated batches of `batch_size` (the last one filled
-    up with placeholders: the stream's first element with every label ignored)."""
+    """A stream's every dp-th element from `dp_rank` on, in collated batches of `batch_size` (the last one may be
+    short; after it, with `pad`, one-row placeholder batches: the stream's first element with every label
+    ignored)."""
 
     def __init__(self, stream: Any, collator: Callable, *, batch_size: int, dp_rank: int, dp_size: int,
                  seed: int) -> None:
@@ -118,6 +134,8 @@ class _StreamShare(IterableDataset):
                 return
             start = step * self.batch_size * self.dp_size
             indices = [start + i * self.dp_size + self.dp_rank for i in range(len(items))]
-            indices += [-1] * (self.batch_size - len(items))
-            with isolated_rng(derive_seed(self.seed, "eval", step, self.dp_rank)):
-                yield indices, self.collator(items + [placeholder] * (self.batch_size - len(items)))
+            if not items:  # this rank ran out: a one-row placeholder batch, collated only if another rank goes on
+                yield [-1], PendingBatch(self.collator, placeholder, derive_seed(self.seed, "eval", step, self.dp_rank))
+                continue
+            with isolated_rng(derive_seed(self.seed, "eval", step, self.dp_rank)):  # a short last batch stays short
+                yield indices, self.collator(items)

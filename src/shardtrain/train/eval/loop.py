@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.data.validation import over_data_ranks, per_rank
-from shardtrain.train.eval.loaders import ShareLoader
+from shardtrain.train.eval.loaders import PendingBatch, ShareLoader
 from shardtrain.train.step.loss import LossComputer, batch_rows
 
 
@@ -124,7 +124,8 @@ class EvalLoop:
             batches, steps = loader.indexed(), len(loader)
         output = self._evaluate(batches, steps, prefix, compute_metrics, with_predictions)
         if not isinstance(loader, ShareLoader):
-            samples, speed_steps = len(loader) * global_batch, steps
+            samples, speed_steps = (steps * global_batch, steps) if steps is not None else \
+                (self.rows, -(-self.rows // global_batch))  # a loader without a length: the rows it gave
         else:  # a stream's count is known at its end
             samples = loader.samples if not loader.stream else over_data_ranks(
                 self.rows, self.backend.all_reduce, self.device, self.dp_size, self.backend.world_size)
@@ -141,12 +142,22 @@ class EvalLoop:
             self.backend.all_reduce(count)
             if count.item() == 0:
                 return
-            yield indices, batch
+            yield indices, batch.collate() if isinstance(batch, PendingBatch) else batch
 
     def _foreign(self, loader: Any) -> tuple[Iterator[tuple[list[int], dict]], int]:
         """The batches of a loader that is not shardtrain's: they are this rank's; a rank with fewer batches than
         another repeats its last one with every label ignored, so every rank runs the same forward passes."""
-        counts = per_rank(len(loader))
+        try:
+            length = len(loader)
+        except TypeError:  # a loader over an iterable dataset (TRL's over an IterableDataset): its length is unknown
+            length = None
+        counts = per_rank(length)
+        if None in counts:
+            if len(counts) > 1:
+                raise DataError("an overridden get_eval_dataloader returned a loader without a length on several "
+                                "ranks, which must run the same forward passes; return super().get_eval_dataloader("
+                                "...) (shardtrain's split of a dataset or a stream), or a loader with a length")
+            return (([0] * batch_rows(batch), batch) for batch in loader), None
         steps = max(counts)
 
         def batches() -> Iterator[tuple[list[int], dict]]:
@@ -158,7 +169,8 @@ class EvalLoop:
                 if last is None:
                     raise DataError("the evaluation dataloader of this rank is empty while others have batches; "
                                     "give every rank at least one batch")
-                yield [-1] * batch_rows(last), {k: _ignored(v) if k == "labels" else v for k, v in last.items()}
+                yield [-1] * batch_rows(last), (last if not isinstance(last, dict) else
+                                                {k: _ignored(v) if k == "labels" else v for k, v in last.items()})
         return batches(), steps
 
     def _evaluate(self, batches: Iterator[tuple[list[int], dict]], steps: int | None, prefix: str,
@@ -177,8 +189,9 @@ class EvalLoop:
         with torch.no_grad():
             for step, (indices, collated) in enumerate(batches):
                 seen = len(preds), len(labels), len(input_rows)
-                batch = self.backend.to_device(collated)
-                inputs = self.prepare(batch) if self.prepare is not None else batch
+                # a library's batch that is not a dict (GRPO's list of prompts) goes to its own prediction_step
+                batch = self.backend.to_device(collated) if isinstance(collated, Mapping) else collated
+                inputs = self.prepare(batch) if self.prepare is not None and isinstance(batch, Mapping) else batch
                 real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
                 if self.prediction_step is not None:
                     loss, logits, _ = self.prediction_step(inputs, not with_predictions)

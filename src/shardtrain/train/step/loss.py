@@ -97,8 +97,11 @@ def loss_kind(model: nn.Module) -> str:
     return "model" if "labels" in params else "logits"
 
 
-def batch_rows(batch: dict[str, Any]) -> int:
-    """Samples in a collated batch (the first dimension of its first tensor, labels first)."""
+def batch_rows(batch: dict[str, Any] | list) -> int:
+    """Samples in a collated batch (the first dimension of its first tensor, labels first); a library's batch that
+    is a list of samples (TRL's GRPO and RLOO prompts) has its length."""
+    if isinstance(batch, list | tuple):
+        return len(batch)
     for key in ("labels", *batch):
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.dim() > 0:
