@@ -903,7 +903,10 @@ class Trainer(transformers.Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record `logs` for this step in `log_history`, metrics.jsonl, the trackers and the progress bar.
         `log_history` (saved in trainer_state.json) keeps Hugging Face's keys: the measured throughput and memory,
-        which differ from run to run, go to metrics.jsonl and the trackers only."""
+        which differ from run to run, go to metrics.jsonl and the trackers only. As Hugging Face's, `logs` itself
+        gets the epoch (evaluate() returns the metrics it logged, epoch included, under any prefix)."""
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
         entry = {**logs, "epoch": round(self.state.epoch or 0.0, 4), "step": self.state.global_step}
         self.state.log_history.append({k: v for k, v in entry.items() if k not in MEASURED_KEYS})
         self.logger.log(entry)

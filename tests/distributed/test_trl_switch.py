@@ -1,0 +1,54 @@
+"""A plain TRL script after the import switch, side by side with TRL's own trainer on one CPU process
+(`workers/trl_switch.py`): what TRL's own test files found failing under `shardtrain.trl`.
+
+- SFT saving checkpoints (TRL writes a model card at every save, reading `hub_model_id`) with a dict of eval sets:
+  the same evaluation entries (TRL's `eval_entropy`/`eval_mean_token_accuracy` under their eval names), the
+  checkpoint holds every file TRL's holds (tokenizer included), the card is written, no process group is left.
+- KTO evaluated on a dataset, a dict of datasets and an IterableDataset: the same metrics as TRL's.
+- GRPO evaluated (its batches are lists of prompts): the metrics TRL reports.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from launch import python
+
+WORKER = Path(__file__).parent / "workers" / "trl_switch.py"
+CASES = ("sft_save", "kto_eval", "grpo_eval")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("trl_switch")
+    for case in CASES:
+        for side in ("trl", "ours"):
+            # a fresh process where it matters whether a process group is left behind
+            python(WORKER, side, case, str(root), pooled=False if (side, case) == ("ours", "sft_save") else None)
+    return root
+
+
+def result(root: Path, side: str, case: str) -> dict:
+    return json.loads((root / f"{side}_{case}.json").read_text())
+
+
+def test_sft_saves_checkpoints_and_evaluates_a_dict_of_sets_as_trl(runs):
+    theirs, ours = result(runs, "trl", "sft_save"), result(runs, "ours", "sft_save")
+    assert len(theirs["evals"]) == 4 and "eval_b_loss" in theirs["evals"][1]
+    assert ours["evals"] == theirs["evals"]
+    assert set(theirs["checkpoint"]) <= set(ours["checkpoint"])
+    assert ours["card"] and theirs["card"]
+    assert ours["group"] is False
+
+
+def test_kto_evaluates_every_eval_dataset_form_as_trl(runs):
+    theirs, ours = result(runs, "trl", "kto_eval"), result(runs, "ours", "kto_eval")
+    assert set(theirs) == {"dataset", "dict", "iterable"} and "eval_x_loss" in theirs["dict"]
+    assert ours == theirs
+
+
+def test_grpo_evaluates_its_prompt_batches(runs):
+    theirs, ours = result(runs, "trl", "grpo_eval"), result(runs, "ours", "grpo_eval")
+    # transformers adds the time Accelerate took to prepare the model at evaluation; nothing is prepared here
+    assert set(ours["keys"]) == set(theirs["keys"]) - {"eval_model_preparation_time"}
+    assert "eval_reward" in ours["keys"] and "eval_loss" in ours["keys"]
