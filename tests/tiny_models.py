@@ -62,3 +62,32 @@ def tiny_qwen3_moe(seed: int = 0, experts: int = 8, top_k: int = 2, aux_coef: fl
                             output_router_logits=True, router_aux_loss_coef=aux_coef, norm_topk_prob=True,
                             attn_implementation="eager")
     return Qwen3MoeForCausalLM(config)
+
+
+def word_tokenizer(chat_template: str | None = None):
+    """A tokenizer of 60 words w0..w59 (ids 0-59) plus <pad> 60, <eos> 61, <unk> 62, split on whitespace: TRL's
+    trainers and `Auto*.from_pretrained` take it as a real one (it saves and loads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(60)} | {"<pad>": 60, "<eos>": 61, "<unk>": 62}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def words(rng, low: int, high: int) -> str:
+    """A text of `low` to `high` - 1 words of `word_tokenizer`, drawn from `rng` (a `random.Random`)."""
+    return " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randrange(low, high)))
+
+
+def word_llama(seed: int = 0) -> LlamaForCausalLM:
+    """The 2-layer Llama for `word_tokenizer` (vocab 64, pad 60, eos 61)."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=60,
+                                        eos_token_id=61))

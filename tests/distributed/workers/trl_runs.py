@@ -26,29 +26,13 @@ import torch
 import trl
 from launch import LogLines
 from packed_rows import document_gap
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_models import word_llama, word_tokenizer, words
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 WORLD, RANK = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {f"w{i}": i for i in range(60)} | {"<pad>": 60, "<eos>": 61, "<unk>": 62}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def text(rng: random.Random, low: int, high: int) -> str:
-    return " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randrange(low, high)))
-
-
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=60,
-                                        eos_token_id=61, attn_implementation="sdpa"))
+tokenizer, text, model = word_tokenizer, words, word_llama
 
 
 def classes(name: str) -> tuple[type, type]:

@@ -16,8 +16,7 @@ from pathlib import Path
 import datasets
 import torch
 import trl
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tiny_models import word_llama, word_tokenizer, words
 
 SIDE, CASE, OUT = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 if SIDE == "ours":
@@ -26,22 +25,7 @@ else:
     lib = trl
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {f"w{i}": i for i in range(60)} | {"<pad>": 60, "<eos>": 61, "<unk>": 62}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def text(rng: random.Random, low: int, high: int) -> str:
-    return " ".join(f"w{rng.randrange(60)}" for _ in range(rng.randrange(low, high)))
-
-
-def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=60,
-                                        eos_token_id=61))
+tokenizer, text, model = word_tokenizer, words, word_llama
 
 
 def common(**kwargs) -> dict:
@@ -71,7 +55,8 @@ if CASE == "sft_save":
 elif CASE == "kto_eval":
     rows = [{"prompt": text(rng, 2, 5) + " ", "completion": text(rng, 2, 6), "label": i % 3 != 0} for i in range(20)]
     data = datasets.Dataset.from_list(rows)
-    trainer = lib.KTOTrainer(model=model(), ref_model=model(), args=lib.KTOConfig(**common(max_steps=1, per_device_eval_batch_size=8)),
+    args = lib.KTOConfig(**common(max_steps=1, per_device_eval_batch_size=8))
+    trainer = lib.KTOTrainer(model=model(), ref_model=model(), args=args,
                              train_dataset=data.select(range(12)), eval_dataset=data.select(range(12, 20)),
                              processing_class=tokenizer())
     for name, given in (("dataset", None), ("dict", {"x": trainer.eval_dataset}),
