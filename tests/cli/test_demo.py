@@ -59,10 +59,12 @@ def test_demo_trains_and_saves(tmp_path):
     panels = panel_series(read_metrics(out / "metrics.jsonl"))
     for name in ("loss", "learning_rate", "grad_norm", "throughput_memory"):
         for label, (steps, values) in panels[name].items():
-            if label != "eval loss":  # the demo evaluates outside train(): its eval_loss is logged at steps 0, 150
+            # the demo evaluates outside train() (eval_loss at steps 0, 150); no step is skipped
+            if label not in ("eval loss", "skipped step"):
                 assert steps and len(steps) == len(values), (name, label)
     # the evaluations before and after training: the final one was drawn too (report.png redrawn after it)
     assert panels["loss"]["eval loss"][0] == [0, 150]
+    assert panels["loss"]["skipped step"] == ([], [])
     assert panels["loss"]["eval loss"][1][-1] == pytest.approx(summary["eval_loss_after"], abs=1e-4)
     assert (out / "report.png").stat().st_mtime >= (out / "metrics.jsonl").stat().st_mtime
     assert "no config file found" not in proc.stderr  # its flags say what a config file would

@@ -281,8 +281,10 @@ case("ckpt_missing_path", "checkpoint", ["resume_from_checkpoint", "not a direct
      lambda out: train(out, resume=str(out / "checkpoint-999"), **SHARDED))
 case("ckpt_true_without_any", "checkpoint", ["resume_from_checkpoint=True", "No valid checkpoint found"],
      lambda out: train(out / "empty", resume=True))
+# fsdp=False said: on several ranks without a word of FSDP the run is data parallel (FSDP2 no_shard) and resumes it
 case("ckpt_without_fsdp", "checkpoint", ["fsdp", "fsdp=True"],
-     lambda out: Trainer(tiny_llama(), TrainingArguments(output_dir=str(out), max_steps=2, save_strategy="no"),
+     lambda out: Trainer(tiny_llama(), TrainingArguments(output_dir=str(out), max_steps=2, save_strategy="no",
+                                                         fsdp=False),
                          train_dataset=DATA).train(resume_from_checkpoint=str(out / "checkpoint-4")))
 case("ckpt_other_model", "checkpoint", ["does not match the model", "shape"],
      lambda out: train(out, resume=str(out / "checkpoint-4"), model=tiny_llama(hidden=48), **SHARDED))
