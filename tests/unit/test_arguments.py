@@ -169,3 +169,23 @@ def test_bf16_without_a_gpu_needs_the_cpu_chosen_as_transformers_and_trl_say(tmp
     assert shardtrain.trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True).bf16
     monkeypatch.setenv("SHARDTRAIN_CPU", "1")  # shardtrain launch --cpu
     assert TrainingArguments(output_dir=str(tmp_path), bf16=True).bf16
+
+
+def test_a_library_config_is_taken_over_without_the_fields_its_post_init_derived(tmp_path):
+    """TRL's GRPOConfig derives generation_batch_size from steps_per_generation in __post_init__; handed to the
+    engine (GRPOTrainer builds one when given no args) it is taken over without passing both back, which TRL's
+    own __post_init__ would refuse as "both configured"."""
+    import warnings
+
+    import trl
+
+    from shardtrain.train.arguments import engine_arguments
+
+    given = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=2,
+                           per_device_train_batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        taken = engine_arguments(given)
+    assert (taken.generation_batch_size, taken.steps_per_generation) == (given.generation_batch_size,
+                                                                        given.steps_per_generation)
+    assert taken.num_generations == 2 and taken.per_device_train_batch_size == 4

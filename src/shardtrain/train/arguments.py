@@ -358,8 +358,8 @@ def engine_arguments(args: transformers.TrainingArguments) -> TrainingArguments:
     engine_cls = arguments_on_engine(type(args))
     values = {f.name: _given(args, f) for f in dataclasses.fields(args) if f.init and f.name not in _ALIASES}
     values = {name: value for name, value in values.items() if value is not _DEFAULT}
-    derived = _derived_defaults(type(args), args.output_dir, values)
-    values = {name: value for name, value in values.items() if name not in derived or derived[name] != value}
+    derived = _derived(type(args), values)
+    values = {name: value for name, value in values.items() if name not in derived}
     warnings.warn(f"Trainer got {type(args).__module__}.{type(args).__qualname__}; its fields are taken over into "
                   f"shardtrain's arguments (the same values). Import TrainingArguments from shardtrain (or use "
                   f"shardtrain.arguments_on_engine({type(args).__name__})) to silence this", stacklevel=3)
@@ -383,21 +383,22 @@ def _given(args: transformers.TrainingArguments, spec: dataclasses.Field) -> Any
     return value
 
 
-def _derived_defaults(cls: type, output_dir: str, values: dict[str, Any]) -> dict[str, Any]:
-    """What a fresh `cls(output_dir)` holds after its `__post_init__` for the fields in `values`: a field that
-    __post_init__ derived (TRL's GRPOConfig sets generation_batch_size from steps_per_generation) is not passed
-    again as if the user had set it, which its __post_init__ would refuse. Empty when `cls` cannot be built so."""
+def _derived(cls: type, values: dict[str, Any]) -> set[str]:
+    """The fields of `values` that `cls.__post_init__` derives from the others: a field whose default is None,
+    holding what `cls` built from the other values gives it (TRL's GRPOConfig sets generation_batch_size from
+    steps_per_generation). They are not passed again as if set by hand, which that __post_init__ would refuse.
+    Empty when `cls` cannot be built so."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    maybe = {name for name in values if defaults.get(name, _DEFAULT) is None}
+    if not maybe:
+        return set()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            reference = cls(output_dir=output_dir)
-    except Exception:  # noqa: BLE001 - e.g. a config that refuses its own defaults here (bf16 without a GPU)
-        return {}
-    found = {}
-    for name in values:
-        value = getattr(reference, name, _DEFAULT)
-        found[name] = value.value if isinstance(value, enum.Enum) else value
-    return found
+            reference = cls(**{name: value for name, value in values.items() if name not in maybe})
+    except Exception:  # noqa: BLE001 - e.g. a config that refuses these values here (bf16 without a GPU)
+        return set()
+    return {name for name in maybe if getattr(reference, name, _DEFAULT) == values[name]}
 
 
 def take_accumulation_from_accelerator_config(args: TrainingArguments) -> None:
