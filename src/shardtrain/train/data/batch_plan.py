@@ -161,9 +161,12 @@ class PlaceholderDataset(Dataset):
         item = dict(self.dataset[0])
         labels = _labels_of(item)
         for key in LABEL_KEYS:
-            item.pop(key, None)
-        if labels is not None or (self.labels_from_input_ids and "input_ids" in item):  # no labels: none here
-            item["labels"] = _ignored_like(item["input_ids"] if labels is None else labels)
+            # each label under its own name, as the real rows carry it (a library's collator reads that name);
+            # a bool is a flag (TRL's KTO "label": desirable or not), not a target, and stays as it is
+            if key in item and not isinstance(item[key], bool):
+                item[key] = _ignored_like(item[key])
+        if labels is None and self.labels_from_input_ids and "input_ids" in item:  # no labels: none here
+            item["labels"] = _ignored_like(item["input_ids"])
         return item
 
 
