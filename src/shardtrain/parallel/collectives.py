@@ -61,13 +61,3 @@ def gather_objects(value: Any, group: Any = None) -> list[Any]:
     found: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, value, group=group)
     return found
-
-
-def barrier(group: Any = None) -> None:
-    """A barrier over `group` that works on gloo and nccl alike (nccl needs the device)."""
-    if not group_is_up():
-        return
-    if dist.get_backend(group) == "nccl":
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier(group=group)
