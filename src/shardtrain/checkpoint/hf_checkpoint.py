@@ -67,6 +67,8 @@ def export_hf_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> 
         raise CheckpointError(f"{source} holds LoRA adapters: transformers resumes adapter training through peft's "
                               "own files, which this export does not write; merge the adapters with --merge-lora "
                               "--base DIR, or resume with shardtrain")
+    if not (source / STATE_FILE).is_file():  # checked before anything is written
+        raise CheckpointError(f"{source} has no {STATE_FILE}; transformers cannot resume without it")
     optimizer_dir = source / (SHARDED_DIR if checkpoint_kind(source) == "SHARDED_STATE_DICT" else OPTIMIZER_DIR)
     merge_checkpoint(source, out)  # checks the manifest and that `out` is empty or creatable
     try:
@@ -83,8 +85,6 @@ def export_hf_checkpoint(checkpoint_dir: str | Path, output_dir: str | Path) -> 
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)  # merge made it: no half-written checkpoint is left
         raise
-    if not (out / STATE_FILE).is_file():
-        raise CheckpointError(f"{source} has no {STATE_FILE}; transformers cannot resume without it")
     return out
 
 
