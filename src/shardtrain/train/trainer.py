@@ -411,6 +411,8 @@ class Trainer(transformers.Trainer):
         plan = self._plan(data)
         if isinstance(plan, StreamPlan):
             check_stream_arguments(args)
+        elif isinstance(plan, LoaderPlan):
+            plan.check_arguments(args)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
         self.create_optimizer_and_scheduler(max_steps)
         self._log_training_plan(plan, max_steps)
@@ -575,8 +577,8 @@ class Trainer(transformers.Trainer):
         last: StepResult | None = None  # the newest step (a log entry reports its grad norm and learning rate)
         shrunk = False  # auto_find_batch_size cut the batch: the same pass goes on (no second epoch begin)
         while self.state.global_step < max_steps and not self.control.should_training_stop:
-            # where the data stands: derived from the step (map-style), or saved with it (a stream)
-            epoch, start = (self.state.data_epoch, self.state.data_step) if isinstance(plan, StreamPlan) else \
+            # where the data stands: derived from the step, or saved with it (a pass of unknown length)
+            epoch, start = (self.state.data_epoch, self.state.data_step) if not plan.steps_per_epoch else \
                 divmod(self.state.global_step + self.state.skipped_steps, plan.steps_per_epoch)
             if not shrunk:
                 self.control.should_epoch_stop = False
@@ -616,8 +618,8 @@ class Trainer(transformers.Trainer):
                         self.control.should_epoch_stop:
                     break
             else:  # the pass is over
-                if isinstance(plan, StreamPlan) and self.state.data_step == 0 and start == 0:
-                    raise DataError("train_dataset (a stream) gave no sample; check that iterating it yields samples")
+                if not plan.steps_per_epoch and self.state.data_step == 0 and start == 0:
+                    raise DataError(plan.nothing_read)
                 self.state.data_epoch, self.state.data_step = epoch + 1, 0
             if shrunk:
                 continue

@@ -75,6 +75,7 @@ class StreamPlan:
     seed: int
     global_count: Callable[[int], int]
     steps_per_epoch: int = 0  # unknown until a pass ends; the Trainer's state counts passes in data_epoch
+    nothing_read = "train_dataset (a stream) gave no sample; check that iterating it yields samples"
 
     @property
     def global_batch_size(self) -> int:

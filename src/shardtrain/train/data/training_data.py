@@ -145,7 +145,8 @@ class TrainingData:
         """The steps of an overridden `get_train_dataloader`, checked to give every rank as many batches."""
         problem, plan = None, None
         try:
-            plan = LoaderPlan(user_loader(), self.accumulation_steps, self.per_device_batch, self.dp_size)
+            plan = LoaderPlan(user_loader(), self.accumulation_steps, self.per_device_batch, self.dp_size,
+                              counts=per_rank)
         except DataError as err:
             problem = str(err)
         agree(problem)

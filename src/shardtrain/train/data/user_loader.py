@@ -13,16 +13,22 @@ is called at each epoch, and a resume skips the batches the finished steps used 
 own batch plan adds is off, and a warning says so: which samples a step sees now depends on how the loader
 splits the data over ranks (a plain `DataLoader` gives every rank the same batches), and a resume is exact only
 when the loader yields the same batches in each epoch on every read.
+
+A loader without a length (over an `IterableDataset`, e.g. TRL's GRPO on a streamed dataset) is read as
+Hugging Face reads it: `max_steps` is required, a pass ends when the loader runs out and the next pass reads it
+again. Its position (pass, step) is saved with each checkpoint, as a stream's is. The ranks compare their
+micro-batch counts at each step (a collective): a step that finds them different is refused with a DataError,
+since every rank must run the same forward and backward passes.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from shardtrain.errors import DataError
+from shardtrain.errors import DataError, TrainingArgumentsError
 
 OVERRIDE_WARNING = (
     "get_train_dataloader is overridden ({owner}): training takes its batches as this rank's micro-batches, as "
@@ -36,30 +42,41 @@ class LoaderPlan:
     """The steps of a user's training loader (see the module docstring); counterparts: `BatchPlan`, `StreamPlan`.
 
     Args:
-        loader: what `get_train_dataloader()` returned (it must have a length, the same on every rank).
+        loader: what `get_train_dataloader()` returned (with a length, it must be the same on every rank).
         accumulation_steps: micro-batches per optimizer step.
         per_device_batch_size: for the global batch size of the state and of the checkpoint's check.
         dp_size: data-parallel ranks.
+        counts: collective, every rank's micro-batch count of a step (read only for a loader without a length).
     """
 
     loader: Iterable
     accumulation_steps: int
     per_device_batch_size: int
     dp_size: int
+    counts: Callable[[int], list[int]] = lambda n: [n]
+    nothing_read = "get_train_dataloader() gave no batch; check train_dataset and its batch size"
 
     def __post_init__(self) -> None:
         try:
-            self.batches_per_epoch = len(self.loader)  # type: ignore[arg-type]
+            self.batches_per_epoch: int | None = len(self.loader)  # type: ignore[arg-type]
         except TypeError:
-            raise DataError(f"get_train_dataloader() returned a {type(self.loader).__name__} without a length; "
-                            "return a DataLoader over a map-style dataset (or pass a stream as train_dataset and "
-                            "keep shardtrain's own loader)") from None
+            self.batches_per_epoch = None  # read until it runs out
         if self.batches_per_epoch == 0:
             raise DataError("get_train_dataloader() returned an empty loader; check train_dataset and its batch size")
 
     @property
     def steps_per_epoch(self) -> int:
+        """Steps of a pass; 0 when the loader has no length (as a stream's plan says)."""
+        if self.batches_per_epoch is None:
+            return 0
         return -(-self.batches_per_epoch // self.accumulation_steps)  # the last step takes what is left
+
+    def check_arguments(self, args: Any) -> None:
+        """Hugging Face's rule for a loader without a length: the step count comes from `max_steps`."""
+        if self.batches_per_epoch is None and args.max_steps <= 0:
+            raise TrainingArgumentsError(f"get_train_dataloader() returned a {type(self.loader).__name__} without a "
+                                         "length, so the number of steps cannot come from num_train_epochs; set "
+                                         "TrainingArguments.max_steps")
 
     @property
     def global_batch_size(self) -> int:
@@ -76,8 +93,17 @@ class LoaderPlan:
         batches = iter(self.loader)
         for _ in itertools.islice(batches, start_step * self.accumulation_steps):  # used before the resume
             pass
-        for _ in range(start_step, self.steps_per_epoch):
+        steps = range(start_step, self.steps_per_epoch) if self.batches_per_epoch is not None else \
+            itertools.count(start_step)
+        for _ in steps:
             step = list(itertools.islice(batches, self.accumulation_steps))
+            if self.batches_per_epoch is None:
+                counts = self.counts(len(step))
+                if len(set(counts)) > 1:
+                    raise DataError(f"get_train_dataloader() gave the ranks different numbers of micro-batches for "
+                                    f"one step ({counts}); every rank must run the same steps: give each rank as "
+                                    "many batches (e.g. split the stream with datasets.distributed."
+                                    "split_dataset_by_node, or self.accelerator.prepare(loader))")
             if not step:
                 return
             yield step, [False] * len(step)
