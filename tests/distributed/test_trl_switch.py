@@ -6,6 +6,10 @@
   checkpoint holds every file TRL's holds (tokenizer included), the card is written, no process group is left.
 - KTO evaluated on a dataset, a dict of datasets and an IterableDataset: the same metrics as TRL's.
 - GRPO evaluated (its batches are lists of prompts): the metrics TRL reports.
+- DPO, reward and KTO with `compute_metrics`: it sees what the library's `prediction_step` returns (DPO's chosen
+  and rejected rows, the reward model's scores with no labels named, KTO's logits and input ids), as under TRL.
+  On a short last batch, Accelerate's `gather_for_metrics` (under TRL) keeps the first `len(dataset) % batch` rows
+  of the batch, which cuts DPO's and the reward model's two rows per sample in half; shardtrain keeps every row.
 """
 
 import json
@@ -15,7 +19,7 @@ import pytest
 from launch import python
 
 WORKER = Path(__file__).parent / "workers" / "trl_switch.py"
-CASES = ("sft_save", "kto_eval", "grpo_eval")
+CASES = ("sft_save", "kto_eval", "grpo_eval", "dpo_metrics", "reward_metrics", "kto_metrics")
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +56,16 @@ def test_grpo_evaluates_its_prompt_batches(runs):
     # transformers adds the time Accelerate took to prepare the model at evaluation; nothing is prepared here
     assert set(ours["keys"]) == set(theirs["keys"]) - {"eval_model_preparation_time"}
     assert "eval_reward" in ours["keys"] and "eval_loss" in ours["keys"]
+
+
+@pytest.mark.parametrize("case, rows_per_sample", [("dpo_metrics", 2), ("reward_metrics", 2), ("kto_metrics", 1)])
+def test_compute_metrics_sees_what_the_prediction_step_returns(runs, case, rows_per_sample):
+    theirs, ours = result(runs, "trl", case), result(runs, "ours", case)
+    assert ours["even"] == theirs["even"]  # shapes, sums and padding of predictions and label ids
+    assert theirs["even"]["seen"]["predictions"]["shape"][0] == 8 * rows_per_sample
+    assert ours["short"]["metric"] == theirs["short"]["metric"] == 0.5
+    assert ours["short"]["seen"]["predictions"]["shape"][0] == 7 * rows_per_sample  # every row of the 7 samples
+    if rows_per_sample == 1:
+        assert ours["short"] == theirs["short"]
+    else:  # Accelerate's truncation: 4 * 2 rows of the first batch and 3 of the last one's 6
+        assert theirs["short"]["seen"]["predictions"]["shape"][0] == 11

@@ -5,7 +5,10 @@
 
 sft_save: SFT with checkpoints saved (TRL writes a model card at every save) and a dict of two eval sets;
 kto_eval: KTO evaluated on a dataset, a DatasetDict-like dict and an IterableDataset; grpo_eval: GRPO evaluated
-(its batches are lists of prompts, generated in its prediction_step). Each writes its logged entries and files.
+(its batches are lists of prompts, generated in its prediction_step); dpo_metrics / reward_metrics / kto_metrics:
+compute_metrics on what the library's prediction_step returns (DPO's and KTO's logits with input_ids as labels,
+the reward model's logits with no labels named), over batches that pad differently and a short last batch. Each
+writes its logged entries and files (the metrics cases: what compute_metrics saw).
 """
 
 import json
@@ -14,6 +17,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 import trl
 from tiny_models import word_llama, word_tokenizer, words
@@ -76,4 +80,43 @@ elif CASE == "grpo_eval":
                               eval_dataset=datasets.Dataset.from_list(rows[:4]), processing_class=tokenizer())
     metrics = trainer.evaluate()
     result = {"keys": sorted(k for k in metrics if "runtime" not in k and "per_second" not in k)}
+elif CASE.endswith("_metrics"):
+    seen: list = []
+
+    def summary(values) -> object:
+        if isinstance(values, tuple | list):
+            return [summary(v) for v in values]
+        array = np.asarray(values, dtype=np.float64)
+        return {"shape": list(array.shape), "sum": round(float(array.sum()), 3),
+                "ignored": int((array == -100).sum())}
+
+    def metrics(prediction) -> dict:
+        seen.append({"predictions": summary(prediction.predictions), "label_ids": summary(prediction.label_ids)})
+        return {"my_metric": 0.5}
+
+    pairs = [{"prompt": text(rng, 2, 5) + " ", "chosen": text(rng, 1, 6), "rejected": text(rng, 1, 6)}
+             for _ in range(12)]
+    if CASE == "reward_metrics":
+        pairs = [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]} for p in pairs]
+    elif CASE == "kto_metrics":
+        pairs = [{"prompt": p["prompt"], "completion": p["chosen"], "label": i % 3 != 0} for i, p in enumerate(pairs)]
+    # 8 rows (two full batches of 4) and 7 (a short last batch)
+    sets = {"even": datasets.Dataset.from_list(pairs[4:12]), "short": datasets.Dataset.from_list(pairs[4:11])}
+    given = dict(args=dict(max_steps=1, per_device_eval_batch_size=4, per_device_train_batch_size=4),
+                 train_dataset=datasets.Dataset.from_list(pairs[:4]), eval_dataset=sets, processing_class=tokenizer(),
+                 compute_metrics=metrics)
+    given["args"] = common(**given["args"])
+    if CASE == "dpo_metrics":
+        trainer = lib.DPOTrainer(model=model(), ref_model=model(), **{**given, "args": lib.DPOConfig(**given["args"])})
+    elif CASE == "reward_metrics":
+        from transformers import LlamaForSequenceClassification
+
+        config = model().config.to_dict() | {"num_labels": 1}
+        trainer = lib.RewardTrainer(model=LlamaForSequenceClassification(model().config.__class__(**config)),
+                                    **{**given, "args": lib.RewardConfig(**given["args"])})
+    else:
+        trainer = lib.KTOTrainer(model=model(), ref_model=model(), **{**given, "args": lib.KTOConfig(**given["args"])})
+    scores = trainer.evaluate()
+    result = {name: {"metric": scores.get(f"eval_{name}_my_metric"), "seen": part}
+              for name, part in zip(sets, seen, strict=True)}
 (OUT / f"{SIDE}_{CASE}.json").write_text(json.dumps(result))

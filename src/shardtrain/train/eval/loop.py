@@ -22,6 +22,8 @@ from shardtrain.train.data.validation import over_data_ranks, per_rank
 from shardtrain.train.eval.loaders import PendingBatch, ShareLoader
 from shardtrain.train.step.loss import LossComputer, batch_rows
 
+_NOT_RETURNED = object()  # no prediction_step ran: the batch's own labels are collected
+
 
 def _first_rows(batch: dict[str, Any], rows: int) -> dict[str, Any]:
     """The first `rows` samples of a collated batch (tensors whose first dimension is the batch)."""
@@ -181,7 +183,8 @@ class EvalLoop:
         preds: list[np.ndarray] = []
         labels: list[np.ndarray] = []
         input_rows: list[np.ndarray] = []  # include_for_metrics ['inputs']
-        positions: list[int] = []  # each collected row's place in the dataset (a stream's rows arrive strided)
+        # each collected row's sort key: (place in the dataset, batch, row); a stream's rows arrive strided
+        keys: list[tuple[int, int, int]] = []
         batch_result: dict | None = None  # batch_eval_metrics: what compute_metrics returned last
         # left in eval mode, as Hugging Face's evaluation_loop: a library's log() after evaluate() reads
         # model.training to tell evaluation metrics from training ones (TRL), and training_step calls model.train()
@@ -193,8 +196,9 @@ class EvalLoop:
                 batch = self.backend.to_device(collated) if isinstance(collated, Mapping) else collated
                 inputs = self.prepare(batch) if self.prepare is not None and isinstance(batch, Mapping) else batch
                 real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
+                returned: Any = _NOT_RETURNED  # the labels a prediction_step returns stand for the batch's
                 if self.prediction_step is not None:
-                    loss, logits, _ = self.prediction_step(inputs, not with_predictions)
+                    loss, logits, returned = self.prediction_step(inputs, not with_predictions)
                     if loss is not None:
                         totals[0] += loss.double() * real
                         totals[1] += real
@@ -211,17 +215,19 @@ class EvalLoop:
                     self.loss.placeholder = False
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
-                if with_predictions and self.collects:
-                    positions += [i for i in indices if i >= 0]
                 if with_predictions and self.generate is not None:
                     generated, answers = self.generate(batch)  # every rank: FSDP's gathers need all of them
                     if self.collects:
                         self._collect_generated(indices, generated, answers, preds, labels)
+                        keys += [(i, 0, 0) for i in indices if i >= 0]
                     logits = None
                 if self.cp is not None and logits is not None and with_predictions:
                     logits = self.cp.gather_sequence(logits, inputs[SHARD_KWARG])
                 if with_predictions and logits is not None and self.collects:
-                    self._collect(indices, batch, logits, preds, labels)
+                    batch_labels = self._batch_labels(batch) if returned is _NOT_RETURNED or self.cp is not None \
+                        else returned  # (under cp a prediction_step's labels are this rank's part)
+                    keys += self._collect(indices, batch, logits, batch_labels, preds, labels, step,
+                                          cut_padding=returned is _NOT_RETURNED)
                 if with_predictions and self.inputs_key is not None and self.collects:
                     input_rows += _rows(indices, batch, batch[self.inputs_key])
                 if self.batch_metrics and compute_metrics is not None and with_predictions:
@@ -236,8 +242,9 @@ class EvalLoop:
         metrics = {f"{prefix}_loss": (totals[0] / totals[1]).item()} if totals[1] > 0 else {}
         predictions = label_ids = None
         if with_predictions:
-            gathered = per_rank((preds, labels, input_rows, positions))
-            order = np.argsort([i for *_, rank_positions in gathered for i in rank_positions], kind="stable")
+            gathered = per_rank((preds, labels, input_rows, keys))
+            every_key = [key for *_, rank_keys in gathered for key in rank_keys]
+            order = sorted(range(len(every_key)), key=every_key.__getitem__)  # stable: ties keep rank order
 
             def in_order(part: int) -> list[np.ndarray]:
                 rows = [row for ranks in gathered for row in ranks[part]]
@@ -284,28 +291,54 @@ class EvalLoop:
                 preds.append(np.asarray(generated[row], dtype=np.int64))
                 labels.append(np.asarray(answers[row], dtype=np.int64))
 
-    def _collect(self, indices: list[int], batch: dict, logits: Any, preds: list, labels: list) -> None:
-        """This batch's real rows of `logits` (a tensor, or a tuple of them: one per output) and of its labels
-        (a tuple when there are several `label_names`), padding cut off per-token rows."""
-        names = [name for name in self.label_names if batch.get(name) is not None]
-        batch_labels = (batch[names[0]] if len(names) == 1 else tuple(batch[n] for n in names)) if names else None
+    def _batch_labels(self, batch: Any) -> Any:
+        """The batch's labels under `label_names` (a tuple when there are several), None without any."""
+        names = [name for name in self.label_names if isinstance(batch, Mapping) and batch.get(name) is not None]
+        return (batch[names[0]] if len(names) == 1 else tuple(batch[n] for n in names)) if names else None
+
+    def _collect(self, indices: list[int], batch: Any, logits: Any, batch_labels: Any, preds: list,
+                 labels: list, step: int, cut_padding: bool = True) -> list[tuple[int, int, int]]:
+        """This batch's real rows of `logits` (a tensor, or a tuple of them: one per output) and of
+        `batch_labels` (a tuple of several, or `()`: a prediction_step's "labels, none named", as Hugging
+        Face's `label_names = []`), padding cut off per-token rows (`cut_padding`: the engine's own rows; what a
+        prediction_step returns is kept as it is, as Hugging Face keeps it); returns their sort keys.
+
+        A library's prediction_step may return k rows per sample (TRL's DPO: the chosen rows, then the rejected
+        ones): row r then belongs to sample r mod batch size, and the rows keep the batch's order, as under
+        Hugging Face."""
         first = logits[0] if isinstance(logits, tuple) else logits
-        per_token = first.dim() > 2 and "attention_mask" in batch  # (batch, tokens, ...): cut off the padding
+        samples, count = len(indices), first.shape[0] if first.dim() else 1
+        blocks = count // samples if samples and count % samples == 0 else 0
+        # (batch, tokens, ...) with one row per sample: cut off each row's padding
+        per_token = cut_padding and blocks == 1 and first.dim() > 2 and isinstance(batch, Mapping) and \
+            "attention_mask" in batch
         if self.preprocess is not None:
             logits = self.preprocess(logits, batch_labels)
 
         def rows(values: Any) -> Any:  # per row: an array, or a tuple of arrays
             if isinstance(values, tuple | list):
-                return list(zip(*(rows(v) for v in values), strict=True))
+                return list(zip(*(rows(v) for v in values), strict=True)) if values else [()] * count
             values = (values.float() if values.is_floating_point() else values).cpu().numpy()
+            if values.ndim == 0:
+                return [values]
             return [values[row, :lengths[row]] if lengths is not None else values[row] for row in range(len(values))]
 
         lengths = batch["attention_mask"].sum(-1).tolist() if per_token else None
         pred_rows = rows(logits)
         label_rows = rows(batch_labels) if batch_labels is not None else None
-        for row, index in enumerate(indices):
-            if index < 0:
-                continue
+        if not blocks:  # rows that belong to no one sample: the batch's, whole, unless it is all placeholders
+            keep = range(count) if any(i >= 0 for i in indices) else range(0)
+            first_place = next((i for i in indices if i >= 0), 0)
+            keys = [(first_place, step, row) for row in keep]
+        elif blocks == 1:
+            keep = [row for row, index in enumerate(indices) if index >= 0]
+            keys = [(indices[row], 0, 0) for row in keep]
+        else:
+            keep = [row for row in range(count) if indices[row % samples] >= 0]
+            first_place = next((i for i in indices if i >= 0), 0)
+            keys = [(first_place, step, row) for row in keep]
+        for row in keep:
             preds.append(pred_rows[row])
-            if label_rows is not None:
+            if label_rows is not None and row < len(label_rows):
                 labels.append(label_rows[row])
+        return keys
