@@ -6,6 +6,8 @@
   checkpoint holds every file TRL's holds (tokenizer included), the card is written, no process group is left.
 - KTO evaluated on a dataset, a dict of datasets and an IterableDataset: the same metrics as TRL's.
 - GRPO evaluated (its batches are lists of prompts): the metrics TRL reports.
+- GRPO's adaptive entropy coefficient under gradient accumulation moves once per optimizer step, as under TRL
+  (it reads Accelerate's `sync_gradients`, which the engine sets per micro-batch as transformers does).
 - DPO, reward and KTO with `compute_metrics`: it sees what the library's `prediction_step` returns (DPO's chosen
   and rejected rows, the reward model's scores with no labels named, KTO's logits and input ids), as under TRL.
   On a short last batch, Accelerate's `gather_for_metrics` (under TRL) keeps the first `len(dataset) % batch` rows
@@ -19,7 +21,7 @@ import pytest
 from launch import python
 
 WORKER = Path(__file__).parent / "workers" / "trl_switch.py"
-CASES = ("sft_save", "kto_eval", "grpo_eval", "dpo_metrics", "reward_metrics", "kto_metrics")
+CASES = ("sft_save", "kto_eval", "grpo_eval", "grpo_entropy", "dpo_metrics", "reward_metrics", "kto_metrics")
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +71,9 @@ def test_compute_metrics_sees_what_the_prediction_step_returns(runs, case, rows_
         assert ours["short"] == theirs["short"]
     else:  # Accelerate's truncation: 4 * 2 rows of the first batch and 3 of the last one's 6
         assert theirs["short"]["seen"]["predictions"]["shape"][0] == 11
+
+
+def test_grpo_adaptive_entropy_moves_once_per_optimizer_step(runs):
+    theirs, ours = result(runs, "trl", "grpo_entropy"), result(runs, "ours", "grpo_entropy")
+    assert theirs == {"coef": 0.025, "steps": 3}  # 0.01 + 3 x 0.005
+    assert ours == theirs

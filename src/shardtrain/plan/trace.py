@@ -21,7 +21,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from shardtrain.plan.trace_modes import (
     real_device_meshes,
     step_tracker,
 )
+
+if TYPE_CHECKING:
+    from shardtrain.train.step.optimizer_step import MicroStep
 
 # FSDPMemTracker's categories (its _FSDPRefType values), grouped into the rows of the report
 STATE_PARAM, STATE_GRAD, STATE_OPT = ("Sharded Param", "Buffer"), ("Sharded Grad",), ("OptState",)
@@ -335,12 +338,12 @@ class PlannerStepHooks:
                  between: Callable[[], None] | None) -> None:
         self.loss, self.optimizer, self.after_loss, self.between = loss, optimizer, after_loss, between
 
-    def micro_step(self, batch: dict[str, Any], num_items: torch.Tensor | None, grad_scale: float) -> torch.Tensor:
-        loss_sum = self.loss(batch)
+    def micro_step(self, micro: MicroStep) -> torch.Tensor:
+        loss_sum = self.loss(micro.batch)
         if self.after_loss is not None:
             self.after_loss()
             self.after_loss = None
-        (loss_sum * grad_scale).backward()
+        (loss_sum * micro.grad_scale).backward()
         return loss_sum.detach()
 
     def between_micro_steps(self) -> None:

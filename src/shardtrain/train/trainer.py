@@ -112,7 +112,7 @@ from shardtrain.train.step.optim import (
     step_optimizer_and_scheduler,
     steps_on_metric,
 )
-from shardtrain.train.step.optimizer_step import OptimizerStep, StepResult
+from shardtrain.train.step.optimizer_step import MicroStep, OptimizerStep, StepResult
 from shardtrain.train.step.preemption import EXIT_CODE, Preempted, PreemptionHandler
 from shardtrain.train.step.router_loss import RouterLoss
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
@@ -273,10 +273,9 @@ class Trainer(transformers.Trainer):
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
-        # the current optimizer step's micro-batches and samples (set before each step; names no library uses)
-        # the step in progress: its micro-batches, and the backward scale of its loss sums (None: training_step
-        # called on its own, which backpropagates its micro-batch's mean loss, as Hugging Face's)
-        self._engine_micro_batches, self._engine_grad_scale = 1, None
+        # the micro-batch in progress (OptimizerStep's; None: training_step called on its own, which
+        # backpropagates its micro-batch's mean loss, as Hugging Face's)
+        self._micro_step: MicroStep | None = None
         self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
@@ -668,7 +667,6 @@ class Trainer(transformers.Trainer):
         """One optimizer step (`OptimizerStep`): `training_step` on each micro-batch, then clip and step."""
         batches = [self._model_inputs(b) if isinstance(b, Mapping) else b for b in batches]
         self.current_gradient_accumulation_steps = len(batches)  # Hugging Face's, read by libraries' losses
-        self._engine_micro_batches = len(batches)
         result = self._engine_step.run(batches, placeholders, TrainerStepHooks(self), step=self.state.global_step,
                                        by_samples=self._loss_per_sample)
         self.state.num_input_tokens_seen += result.input_tokens
@@ -706,7 +704,8 @@ class Trainer(transformers.Trainer):
             loss = loss_sum / count
             if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
                 # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
-                loss = loss + self.router_loss.local_share(outputs, inputs) / self._engine_micro_batches
+                loss = loss + self.router_loss.local_share(outputs, inputs) / \
+                    (self._micro_step.count if self._micro_step is not None else 1)
         if num_items_in_batch is not None:
             loss = loss * self._loss_scale  # Hugging Face's convention (see _loss_scale)
         return (loss, outputs) if return_outputs else loss
@@ -740,7 +739,7 @@ class Trainer(transformers.Trainer):
             micro_sum = self.loss_computer(inputs)
         if self.loss_computer.placeholder:  # stands in for no sample: forward and backward (FSDP collectives), weight 0
             micro_sum = micro_sum * 0.0
-        scale = self._engine_grad_scale if self._engine_grad_scale is not None else 1 / num_items_in_batch
+        scale = self._micro_step.grad_scale if self._micro_step is not None else 1 / num_items_in_batch
         (micro_sum * scale).backward()
         # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
         return micro_sum.detach() / num_items_in_batch * self._loss_scale
@@ -1190,13 +1189,20 @@ class TrainerStepHooks:
     def __init__(self, trainer: Trainer) -> None:
         self.step_owner = trainer
 
-    def micro_step(self, batch: Any, num_items: torch.Tensor | None, grad_scale: float) -> torch.Tensor:
-        trainer = self.step_owner
-        trainer._engine_grad_scale = grad_scale
+    def micro_step(self, micro: MicroStep) -> torch.Tensor:
+        trainer, num_items = self.step_owner, micro.num_items
+        # Hugging Face sets Accelerate's sync_gradients per micro-batch (TRL's GRPO reads it); only an
+        # accelerator a library has asked for exists
+        accelerator = trainer.__dict__.get("_accelerator")
+        if accelerator is not None:
+            accelerator.gradient_state._set_sync_gradients(micro.is_last)
+        trainer._micro_step = micro
         try:
-            loss = trainer.training_step(trainer.model, batch, num_items)
+            loss = trainer.training_step(trainer.model, micro.batch, num_items)
         finally:
-            trainer._engine_grad_scale = None
+            trainer._micro_step = None
+            if accelerator is not None:
+                accelerator.gradient_state._set_sync_gradients(True)  # outside a step, as Accelerate's
         # Hugging Face's return is the micro-batch's share of the step loss times _loss_scale: back to its sum
         return loss.detach().float() * (num_items / trainer._loss_scale if num_items is not None else 1)
 

@@ -5,7 +5,8 @@
 
 sft_save: SFT with checkpoints saved (TRL writes a model card at every save) and a dict of two eval sets;
 kto_eval: KTO evaluated on a dataset, a DatasetDict-like dict and an IterableDataset; grpo_eval: GRPO evaluated
-(its batches are lists of prompts, generated in its prediction_step); dpo_metrics / reward_metrics / kto_metrics:
+(its batches are lists of prompts, generated in its prediction_step); grpo_entropy: GRPO's adaptive entropy
+coefficient under gradient accumulation; dpo_metrics / reward_metrics / kto_metrics:
 compute_metrics on what the library's prediction_step returns (DPO's and KTO's logits with input_ids as labels,
 the reward model's logits with no labels named), over batches that pad differently and a short last batch. Each
 writes its logged entries and files (the metrics cases: what compute_metrics saw).
@@ -80,6 +81,15 @@ elif CASE == "grpo_eval":
                               eval_dataset=datasets.Dataset.from_list(rows[:4]), processing_class=tokenizer())
     metrics = trainer.evaluate()
     result = {"keys": sorted(k for k in metrics if "runtime" not in k and "per_second" not in k)}
+elif CASE == "grpo_entropy":  # the adaptive entropy coefficient moves once per optimizer step (sync_gradients)
+    rows = [{"prompt": text(rng, 2, 5)} for _ in range(12)]
+    args = lib.GRPOConfig(**common(max_steps=3, per_device_train_batch_size=2, num_generations=2,
+                                   gradient_accumulation_steps=2, max_completion_length=4, entropy_coef=0.01,
+                                   use_adaptive_entropy=True, entropy_target=15.0, entropy_coef_delta=0.005))
+    trainer = lib.GRPOTrainer(model=model(), reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                              args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer())
+    trainer.train()
+    result = {"coef": round(trainer.entropy_coef, 6), "steps": trainer.state.global_step}
 elif CASE.endswith("_metrics"):
     seen: list = []
 

@@ -35,13 +35,39 @@ from shardtrain.train.step.optim import clip_grads
 from shardtrain.train.step.preemption import Preempted, PreemptionHandler
 
 
+@dataclass(frozen=True, kw_only=True)
+class MicroStep:
+    """One micro-batch of an optimizer step, with the facts its forward and backward need.
+
+    Attributes:
+        batch: the model inputs (or a library's own batch).
+        index: its place in the step (0-based), of `count`.
+        count: the step's micro-batches.
+        num_items: the global batch's target tokens (or samples); None for a library's batches, whose loss is
+            its own mean.
+        grad_scale: the backward of the loss *sum* is scaled by it (1 / global targets x the gradient average).
+        placeholder: it stands in for no sample (an epoch's short end): forward and backward, weight 0.
+    """
+
+    batch: Any
+    index: int
+    count: int
+    num_items: torch.Tensor | None
+    grad_scale: float
+    placeholder: bool = False
+
+    @property
+    def is_last(self) -> bool:
+        """The step's last micro-batch (gradients are reduced after it; Accelerate's `sync_gradients`)."""
+        return self.index == self.count - 1
+
+
 class StepHooks(Protocol):
     """What a step calls back into."""
 
-    def micro_step(self, batch: Any, num_items: torch.Tensor | None, grad_scale: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch, the backward of its loss *sum* times `grad_scale`; returns
-        that sum, detached (for the logged loss). `num_items`: the global batch's target tokens (or samples; None
-        for a library's batches, whose loss is its own mean)."""
+    def micro_step(self, micro: MicroStep) -> torch.Tensor:
+        """Forward and backward of one micro-batch, the backward of its loss *sum* times `micro.grad_scale`;
+        returns that sum, detached (for the logged loss)."""
 
     def between_micro_steps(self) -> None:
         """After each micro-batch but the last."""
@@ -130,7 +156,9 @@ class OptimizerStep:
                 self.model.set_requires_gradient_sync(index == last)
             self.loss.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
             try:
-                loss_sum += hooks.micro_step(batch, num_items, grad_scale)
+                loss_sum += hooks.micro_step(MicroStep(batch=batch, index=index, count=len(batches),
+                                                       num_items=num_items, grad_scale=grad_scale,
+                                                       placeholder=placeholders[index]))
             finally:
                 self.loss.placeholder = False
             if index < last:
