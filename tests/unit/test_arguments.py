@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from transformers import HfArgumentParser
 
 from shardtrain import TrainingArguments, TrainingArgumentsError
@@ -189,3 +190,28 @@ def test_a_library_config_is_taken_over_without_the_fields_its_post_init_derived
     assert (taken.generation_batch_size, taken.steps_per_generation) == (given.generation_batch_size,
                                                                         given.steps_per_generation)
     assert taken.num_generations == 2 and taken.per_device_train_batch_size == 4
+
+
+def test_checkpointing_kwargs_keep_transformers_none_so_enabling_again_passes_use_reentrant(tmp_path):
+    """TRL's GRPO turns the model's checkpointing off for generation and on again with
+    `args.gradient_checkpointing_kwargs`: None gives transformers' use_reentrant=False; {} made torch warn."""
+    import warnings
+
+    import trl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import shardtrain.trl
+
+    theirs = trl.GRPOConfig(str(tmp_path / "t"), use_cpu=True, bf16=False)
+    ours = shardtrain.trl.GRPOConfig(str(tmp_path / "o"), use_cpu=True, bf16=False)
+    plain = TrainingArguments(str(tmp_path / "p"), gradient_checkpointing=True)
+    assert ours.gradient_checkpointing_kwargs is theirs.gradient_checkpointing_kwargs is None
+    assert plain.activation_checkpointing_kwargs is None and plain.gradient_checkpointing_kwargs is None
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    model.gradient_checkpointing_enable(ours.gradient_checkpointing_kwargs)
+    model.train()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    assert not [w for w in seen if "use_reentrant" in str(w.message)]

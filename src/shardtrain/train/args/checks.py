@@ -93,7 +93,9 @@ def check_types(args: Any) -> None:
                 fail(name, f"is not valid JSON ({err}); pass a JSON object such as '{{\"min_lr\": 1e-6}}'")
         if value is not None and not isinstance(value, dict):
             fail(name, f"must be a dict (or a JSON object string), got {value!r}")
-        setattr(args, name, value or {})
+        # Hugging Face's defaults: {} for the scheduler's, None for checkpointing's (a library that enables
+        # checkpointing again with them, as TRL's GRPO, must get transformers' use_reentrant=False default)
+        setattr(args, name, value or {} if name == "lr_scheduler_kwargs" else value)
 
 
 def check_numbers(args: Any) -> None:
