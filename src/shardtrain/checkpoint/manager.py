@@ -276,8 +276,10 @@ class CheckpointManager:
             state.update(json.loads((path / ENGINE_STATE_FILE).read_text()))
         return state
 
-    def load(self, path: str | Path, *, weights_only: bool = False) -> dict[str, Any] | None:
-        """Restore model (and unless `weights_only`, optimizer, scheduler, RNG) from `path`.
+    def load(self, path: str | Path, *, weights_only: bool = False,
+             state: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Restore model (and unless `weights_only`, optimizer, scheduler, RNG) from `path`; `state`: its saved
+        trainer state when the caller has read it already (`read_state`).
 
         Returns:
             The saved trainer state as a dict (None when `weights_only`).
@@ -286,7 +288,7 @@ class CheckpointManager:
             CheckpointError: missing/corrupt files or a checkpoint of another model (names the first bad key).
         """
         path = Path(path)
-        state = self.read_state(path)
+        state = state if state is not None else self.read_state(path)
         kind = checkpoint_kind(path)
         problem = base_problem(path, self.frozen_base)
         if problem is not None:

@@ -8,6 +8,7 @@ one is the identity on that run (one rank: its own value) and `torch.distributed
     from shardtrain.parallel import collectives
     collectives.all_reduce(totals, group=loss_group)     # dist.all_reduce, or nothing on one process
     found = collectives.gather_objects(problem)          # every rank's object, in rank order
+    collectives.agree(problem, DataError)                # every rank raises the lowest rank's problem
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shardtrain.errors import DataError, UserError
 
 
 def group_is_up() -> bool:
@@ -61,3 +64,23 @@ def gather_objects(value: Any, group: Any = None) -> list[Any]:
     found: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, value, group=group)
     return found
+
+
+def agree(problem: str | None, error: type[UserError] = DataError) -> None:
+    """Collective: if any rank found a problem, every rank raises `error` with the lowest rank's message."""
+    problems = [p for p in gather_objects(problem) if p is not None]
+    if problems:
+        raise error(problems[0])
+
+
+def per_rank(value: Any) -> list[Any]:
+    """Collective: every rank's `value` (picklable), in rank order."""
+    return gather_objects(value)
+
+
+def over_data_ranks(local: int, all_reduce: Any, device: torch.device, dp_size: int, world_size: int) -> int:
+    """Collective: `local` (a count this rank holds, the same on the cp and tp ranks of its data-parallel group)
+    summed over the `dp_size` data-parallel ranks, through `all_reduce` over all `world_size` ranks."""
+    count = torch.tensor([float(local)], dtype=torch.float64, device=device)
+    all_reduce(count)
+    return round(count.item() * dp_size / world_size)

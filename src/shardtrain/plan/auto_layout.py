@@ -159,8 +159,8 @@ class AutoLayout:
             return cls(request=request, candidates=candidates, gemm=gemm)
         # the process group is up (TRL's trainers start it): the planner's fake group cannot join this process, so
         # rank 0 traces in a fresh one, and every rank stops with its error if it cannot
+        from shardtrain.parallel.collectives import agree
         from shardtrain.plan.fresh_process import trace_in_fresh_process
-        from shardtrain.train.data.validation import agree
 
         candidates, gemm, problem = [], None, None
         if dist.get_rank() == 0:
@@ -195,7 +195,7 @@ class AutoLayout:
                                           pick.loss_chunk])
                 print(self.choice.report(), flush=True)
         if backend.world_size > 1:
-            from shardtrain.train.data.validation import agree
+            from shardtrain.parallel.collectives import agree
 
             agree(problem, FSDPConfigError)  # every rank raises rank 0's problem, before anything is built
             backend.broadcast(picked)

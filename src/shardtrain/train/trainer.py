@@ -25,7 +25,6 @@ import functools
 import math
 import os
 import random
-import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -51,7 +50,6 @@ from transformers.trainer_utils import (
     PredictionOutput,
     TrainerMemoryTracker,
     TrainOutput,
-    compare_trainer_and_checkpoint_args,
     speed_metrics,
 )
 
@@ -69,10 +67,9 @@ from shardtrain.errors import (
     TrainerOverrideError,
     TrainingArgumentsError,
     install_error_hook,
-    print_line,
 )
 from shardtrain.parallel.accelerate_bridge import engine_accelerator
-from shardtrain.parallel.fsdp import reshard_all
+from shardtrain.parallel.collectives import agree
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.parallel.states import TorchStates
 from shardtrain.train import verify
@@ -90,17 +87,19 @@ from shardtrain.train.data.packing import check_packing
 from shardtrain.train.data.streaming import StreamPlan, check_stream_arguments, is_stream
 from shardtrain.train.data.training_data import TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
-from shardtrain.train.data.validation import ModelLimits, agree, writable_problem
+from shardtrain.train.data.validation import ModelLimits, writable_problem
 from shardtrain.train.eval.generation import eval_generator
 from shardtrain.train.eval.loaders import ShareLoader
 from shardtrain.train.eval.loop import EvalLoop
+from shardtrain.train.hooks import TrainerLoopHooks
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
+from shardtrain.train.loop.resume import Resume
+from shardtrain.train.loop.run import TrainingRun
 from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_trackers
 from shardtrain.train.model.export import ModelExport, write_model_card
 from shardtrain.train.model.lora import adapter_files
 from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
-from shardtrain.train.step.batch_finder import out_of_memory, smaller_batch
 from shardtrain.train.step.chunked_loss import resolve_chunk_size
 from shardtrain.train.step.guard import GuardedRun
 from shardtrain.train.step.loss import LossComputer
@@ -108,12 +107,10 @@ from shardtrain.train.step.optim import (
     build_optimizer,
     build_scheduler,
     check_given_optimizer,
-    discard_step,
-    step_optimizer_and_scheduler,
     steps_on_metric,
 )
 from shardtrain.train.step.optimizer_step import MicroStep, OptimizerStep, StepResult
-from shardtrain.train.step.preemption import EXIT_CODE, Preempted, PreemptionHandler
+from shardtrain.train.step.preemption import PreemptionHandler
 from shardtrain.train.step.router_loss import RouterLoss
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
 
@@ -396,16 +393,15 @@ class Trainer(transformers.Trainer):
         check_training_inputs(args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
                               cp_size=self.dims.cp, custom_loss=self._custom_loss)
         self._check_datasets()
-        resume = resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
-                                else args.resume_from_checkpoint, output_dir=args.output_dir,
-                                restart_count=self.spec.restart_count, fsdp_enabled=args.fsdp_enabled,
-                                runtime=self.runtime)
+        resume = Resume.read(resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
+                                            else args.resume_from_checkpoint, output_dir=args.output_dir,
+                                            restart_count=self.spec.restart_count, fsdp_enabled=args.fsdp_enabled,
+                                            runtime=self.runtime))
         configured = args.per_device_train_batch_size  # (a trial of hyperparameter_search may have changed it)
         if not args.auto_find_batch_size or configured % self._train_batch_size:
             self._train_batch_size = configured
         if resume is not None and args.auto_find_batch_size:  # the batch the checkpointed run had come down to
-            saved = CheckpointManager.read_state(resume).get("train_batch_size") or configured
-            self._train_batch_size = saved if configured % saved == 0 else configured
+            self._train_batch_size = resume.per_device_batch(configured)
         data = self._training_data()
         plan = self._plan(data)
         if isinstance(plan, StreamPlan):
@@ -428,7 +424,12 @@ class Trainer(transformers.Trainer):
                                   stateful_callbacks=[cb for cb in [*self.callback_handler.callbacks, self.control]
                                                       if isinstance(cb, ExportableState)])
         if resume is not None:
-            self._load_for_resume(resume, plan, max_steps)
+            self.state = resume.restore(self._checkpoints(), self.state, plan, max_steps, args=args, rank=self.rank)
+            self._load_callback_state()  # Hugging Face's: stateful callbacks (and the control) as saved
+            self._load_optimizer_and_scheduler(str(resume.path))  # (restored already; an override's own state)
+            self._saved_step = self.state.global_step  # its checkpoint exists
+            if self.rank == 0:
+                self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
         # this run's step (its max_grad_norm may be a trial's)
         self._guarded = GuardedRun.start(args.step_guard, self.state, args.output_dir, resuming=resume is not None,
                                          rank=self.rank)
@@ -449,15 +450,10 @@ class Trainer(transformers.Trainer):
         self.is_in_train = True
         self.preemption.install()
         neftune = activate_neftune(self.model, self.neftune_noise_alpha) if self.neftune_noise_alpha else None
+        run = TrainingRun(state=self.state, guarded=self._guarded, logger=self.logger, rank=self.rank,
+                          output_dir=args.output_dir, retry_on_oom=args.auto_find_batch_size)
         try:
-            self._train_loop(data, plan, max_steps, window)
-        except KeyboardInterrupt:
-            if self.rank == 0:
-                print(f"error: interrupted at step {self.state.global_step}; resume with "
-                      f"resume_from_checkpoint='auto'", file=sys.stderr, flush=True)
-            raise SystemExit(130) from None
-        except Preempted as preempted:
-            self._checkpoint_and_exit(preempted)
+            run.run(data, plan, max_steps, window, TrainerLoopHooks(self))
         except PrunedElsewhere:  # rank 0's study pruned this trial (hp_search.py); rank 0 raised optuna's error
             return TrainOutput(self.state.global_step, window.training_loss, {})
         finally:
@@ -524,154 +520,15 @@ class Trainer(transformers.Trainer):
         """The engine's plan over the train dataset, in the order of `_get_train_sampler` when it gives one."""
         return data.plan(sampler=None if is_stream(self.train_dataset) else self._get_train_sampler(self.train_dataset))
 
-    def _load_for_resume(self, resume: Path, plan: BatchPlan, max_steps: int) -> None:
-        saved = CheckpointManager.read_state(resume)
-        # a transformers checkpoint holds no batch plan; one of another global batch goes on with this run's plan,
-        # as transformers' Trainer goes on, with a warning that it no longer equals an uninterrupted run
-        same_plan = saved.get("global_batch_size") == plan.global_batch_size
-        if self.rank == 0:  # Hugging Face's warning on logging/eval/save steps and batch sizes that changed; not on
-            # a per-device batch that changed with the ranks while the global batch stayed (an exact resume)
-            compared = {**saved, "train_batch_size": self.args.per_device_train_batch_size * max(1, self.args.n_gpu)} \
-                if same_plan else saved
-            compare_trainer_and_checkpoint_args(self.args, TrainerState.from_dict(compared))
-        if "global_batch_size" in saved and not same_plan and self.rank == 0:
-            warnings.warn(f"{resume} was trained with a global batch of {saved['global_batch_size']} samples, this "
-                          f"run has {plan.global_batch_size}: it goes on from step {saved.get('global_step')} with the "
-                          "new batch, so it no longer equals an uninterrupted run; keep per_device_train_batch_size x "
-                          "gradient_accumulation_steps x ranks equal to resume exactly", stacklevel=2)
-        fresh = self.state
-        loaded = self._checkpoints().load(resume)
-        if not same_plan:  # this run's plan, the data position from the step
-            epoch, step = divmod(loaded.get("global_step", 0), plan.steps_per_epoch) if plan.steps_per_epoch else \
-                (0, loaded.get("global_step", 0))
-            loaded.update(steps_per_epoch=plan.steps_per_epoch, global_batch_size=plan.global_batch_size,
-                          data_epoch=epoch, data_step=step)
-        self.state = TrainerState.from_dict(loaded)
-        self.state.max_steps = max_steps
-        self.state.is_local_process_zero, self.state.is_world_process_zero = \
-            fresh.is_local_process_zero, fresh.is_world_process_zero
-        self._load_callback_state()  # Hugging Face's: stateful callbacks (and the control) as saved
-        self._load_optimizer_and_scheduler(str(resume))
-        self._saved_step = self.state.global_step  # its checkpoint exists
-        if self.rank == 0:
-            self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
-
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Hugging Face's hook on resume, called with the checkpoint once the checkpoint manager has restored the
         model, optimizer, scheduler and RNG (so ours loads nothing more): an override (GRPO's) that calls super()
         and then reads state of its own from `checkpoint` works as under Hugging Face."""
 
-    def _checkpoint_and_exit(self, preempted: Preempted) -> None:
-        """SIGTERM: a complete checkpoint of the last finished step (unless one was just written), then 143."""
-        if self._saved_step != self.state.global_step:
-            self._save_checkpoint(self.model, self._trial)
-        self._checkpoints().wait()
-        if self.rank == 0:
-            print(f"warning: {preempted}; wrote {self.args.output_dir}/checkpoint-{self.state.global_step}, exiting "
-                  f"{EXIT_CODE}; a restart resumes from it", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CODE) from None
-
-    def _train_loop(self, data: TrainingData, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int,
-                    window: LossWindow) -> None:
-        last: StepResult | None = None  # the newest step (a log entry reports its grad norm and learning rate)
-        shrunk = False  # auto_find_batch_size cut the batch: the same pass goes on (no second epoch begin)
-        while self.state.global_step < max_steps and not self.control.should_training_stop:
-            # where the data stands: derived from the step, or saved with it (a pass of unknown length)
-            epoch, start = (self.state.data_epoch, self.state.data_step) if not plan.steps_per_epoch else \
-                divmod(self.state.global_step + self.state.skipped_steps, plan.steps_per_epoch)
-            if not shrunk:
-                self.control.should_epoch_stop = False
-                self._fire("on_epoch_begin")
-            shrunk = False
-            for step, (batches, placeholders) in enumerate(data.epoch_steps(plan, epoch, start), start):
-                if self._guarded is not None and self._guarded.is_recorded(epoch, step):  # skipped before a resume
-                    self._guarded.pass_recorded(self.state, epoch, step)
-                    self.state.data_epoch, self.state.data_step = epoch, step + 1
-                    continue
-                try:
-                    self._fire("on_step_begin")
-                    result = self._optimizer_step(batches, placeholders)
-                    if result.skipped is not None:
-                        self._skip_step(result.skipped, plan, epoch, step)
-                        continue
-                    last = result
-                    self.state.global_step += 1
-                    self.state.data_epoch, self.state.data_step = epoch, step + 1
-                    self.state.epoch = self.state.global_step / plan.steps_per_epoch if plan.steps_per_epoch else \
-                        float(epoch)  # a stream: the passes completed
-                    window.add(last.loss_sum, last.tokens)
-                    if self._guarded is not None:
-                        self.state.guard_window = self._guarded.guard.state()
-                    self.logger.step_done(self.state.num_input_tokens_seen)
-                    self._fire("on_step_end")
-                except Exception as err:
-                    if not (self.args.auto_find_batch_size and out_of_memory(err)) or isinstance(plan, LoaderPlan):
-                        raise
-                    self._shrink_batch(err)  # the same step again (or, after it, the next), with smaller parts
-                    data = self._training_data()
-                    plan = self._plan(data)
-                    shrunk = True
-                    break
-                self._maybe_log_evaluate_save(window, last)
-                if self.state.global_step >= max_steps or self.control.should_training_stop or \
-                        self.control.should_epoch_stop:
-                    break
-            else:  # the pass is over
-                if not plan.steps_per_epoch and self.state.data_step == 0 and start == 0:
-                    raise DataError(plan.nothing_read)
-                self.state.data_epoch, self.state.data_step = epoch + 1, 0
-            if shrunk:
-                continue
-            self._fire("on_epoch_end")
-            self._maybe_log_evaluate_save(window, last)  # what on_epoch_end asked for (epoch strategies)
-        if window:  # steps after the last log entry: in train_loss, as under Hugging Face
-            window.fold()
-
-    def _skip_step(self, reason: str, plan: BatchPlan | StreamPlan | LoaderPlan, epoch: int, step: int) -> None:
-        """The step guard skipped this step (every rank alike): record it, say so, move the data on; too many in
-        a row stop the run (StepGuardError) with the checkpoints as they are."""
-        samples = None
-        if isinstance(plan, BatchPlan):
-            size = plan.global_batch_size
-            samples = [i for i in plan.permutation(epoch)[step * size:(step + 1) * size] if i >= 0]
-        line = self._guarded.skip(self.state, reason, epoch, step, samples)
-        self.state.data_epoch, self.state.data_step = epoch, step + 1
-        if self.rank == 0:
-            print_line(f"warning: {line}")
-        self.log({"skipped_steps": self.state.skipped_steps})
-        saved = CheckpointManager.list_checkpoints(self.args.output_dir)
-        self._guarded.guard.skipped(self.state.global_step, reason, saved[-1].name if saved else None)
-
     def _training_data(self) -> TrainingData:
         """The training batches' part, at the per-device batch `auto_find_batch_size` came down to."""
         return TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator,
                                per_device=self._train_batch_size)
-
-    def _shrink_batch(self, err: BaseException) -> None:
-        """`auto_find_batch_size`: a step ran out of memory; cut the per-device batch and grow the accumulation
-        steps by the same factor (`batch_finder`), every rank alike, so the global batch stays the same."""
-        configured = self.args.per_device_train_batch_size
-        smaller = smaller_batch(self._train_batch_size, configured)
-        self.optimizer.zero_grad(set_to_none=True)  # whatever the failed step had accumulated
-        self.backend.step_end()
-        if self.backend.is_sharded(self.model):
-            reshard_all(self.model)
-        if self.rank == 0:
-            print(f"warning: auto_find_batch_size: step {self.state.global_step + 1} ran out of memory with "
-                  f"{self._train_batch_size} samples per device ({type(err).__name__}); going on with {smaller} x "
-                  f"{self.args.gradient_accumulation_steps * configured // smaller} accumulation steps, the same "
-                  "global batch", file=sys.stderr, flush=True)
-        self._train_batch_size = self.state.train_batch_size = smaller
-
-    def _optimizer_step(self, batches: list[dict[str, torch.Tensor]], placeholders: list[bool]) -> StepResult:
-        """One optimizer step (`OptimizerStep`): `training_step` on each micro-batch, then clip and step."""
-        batches = [self._model_inputs(b) if isinstance(b, Mapping) else b for b in batches]
-        self.current_gradient_accumulation_steps = len(batches)  # Hugging Face's, read by libraries' losses
-        result = self._engine_step.run(batches, placeholders, TrainerStepHooks(self), step=self.state.global_step,
-                                       by_samples=self._loss_per_sample)
-        self.state.num_input_tokens_seen += result.input_tokens
-        self.state.total_flos += 6.0 * self._flop_params() * result.input_tokens
-        return result
 
     def _flop_params(self) -> int:
         """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""
@@ -1180,40 +1037,3 @@ class Trainer(transformers.Trainer):
 
     def get_sp_size(self) -> int:
         return 1
-
-
-class TrainerStepHooks:
-    """The Trainer's side of an `OptimizerStep`: Hugging Face's `training_step` on each micro-batch, its callbacks
-    between micro-batches and around the optimizer step, and the scheduler's step."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.step_owner = trainer
-
-    def micro_step(self, micro: MicroStep) -> torch.Tensor:
-        trainer, num_items = self.step_owner, micro.num_items
-        # Hugging Face sets Accelerate's sync_gradients per micro-batch (TRL's GRPO reads it); only an
-        # accelerator a library has asked for exists
-        accelerator = trainer.__dict__.get("_accelerator")
-        if accelerator is not None:
-            accelerator.gradient_state._set_sync_gradients(micro.is_last)
-        trainer._micro_step = micro
-        try:
-            loss = trainer.training_step(trainer.model, micro.batch, num_items)
-        finally:
-            trainer._micro_step = None
-            if accelerator is not None:
-                accelerator.gradient_state._set_sync_gradients(True)  # outside a step, as Accelerate's
-        # Hugging Face's return is the micro-batch's share of the step loss times _loss_scale: back to its sum
-        return loss.detach().float() * (num_items / trainer._loss_scale if num_items is not None else 1)
-
-    def between_micro_steps(self) -> None:
-        self.step_owner._fire("on_substep_end")
-
-    def discard_step(self) -> float:
-        trainer = self.step_owner
-        return discard_step(trainer.optimizer, trainer.lr_scheduler, trainer.backend)
-
-    def optimizer_step(self) -> float:
-        trainer = self.step_owner
-        return step_optimizer_and_scheduler(trainer.optimizer, trainer.lr_scheduler, trainer.backend,
-                                            fire=trainer._fire)

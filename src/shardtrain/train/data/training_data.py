@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from shardtrain.errors import DataError
+from shardtrain.parallel.collectives import agree, over_data_ranks, per_rank
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.data.batch_plan import (
     BatchPlan,
@@ -34,7 +35,6 @@ from shardtrain.train.data.batch_plan import (
 )
 from shardtrain.train.data.streaming import StreamPlan, is_stream
 from shardtrain.train.data.user_loader import OVERRIDE_WARNING, LoaderPlan
-from shardtrain.train.data.validation import agree, over_data_ranks, per_rank
 
 Plan = BatchPlan | StreamPlan | LoaderPlan
 

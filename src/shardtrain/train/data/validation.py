@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtrain.errors import DataError, UserError
+from shardtrain.errors import DataError
 from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel import collectives
 
@@ -195,23 +195,3 @@ def writable_problem(directory: str | Path, what: str) -> str | None:
         return (f"{what} {str(path)!r} is not writable ({err.strerror or err}); choose a directory you can write "
                 "to")
     return None
-
-
-def agree(problem: str | None, error: type[UserError] = DataError) -> None:
-    """Collective: if any rank found a problem, every rank raises `error` with the lowest rank's message."""
-    problems = [p for p in collectives.gather_objects(problem) if p is not None]
-    if problems:
-        raise error(problems[0])
-
-
-def per_rank(value: Any) -> list[Any]:
-    """Collective: every rank's `value` (picklable), in rank order."""
-    return collectives.gather_objects(value)
-
-
-def over_data_ranks(local: int, all_reduce: Any, device: torch.device, dp_size: int, world_size: int) -> int:
-    """Collective: `local` (a count this rank holds, the same on the cp and tp ranks of its data-parallel group)
-    summed over the `dp_size` data-parallel ranks, through `all_reduce` over all `world_size` ranks."""
-    count = torch.tensor([float(local)], dtype=torch.float64, device=device)
-    all_reduce(count)
-    return round(count.item() * dp_size / world_size)

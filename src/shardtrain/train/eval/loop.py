@@ -15,10 +15,10 @@ from transformers.trainer_utils import PredictionOutput, speed_metrics
 from shardtrain.errors import DataError
 from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel import collectives
+from shardtrain.parallel.collectives import over_data_ranks, per_rank
 from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
-from shardtrain.train.data.validation import over_data_ranks, per_rank
 from shardtrain.train.eval.loaders import PendingBatch, ShareLoader
 from shardtrain.train.step.loss import LossComputer, batch_rows
 

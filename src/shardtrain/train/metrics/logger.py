@@ -45,7 +45,7 @@ def scalar_logs(logs: dict[str, Any]) -> dict[str, Any]:
 
 def rank0_trackers(report_to: list[str], rank: int) -> list[TrainerCallback]:
     """`tracker_callbacks` on rank 0 (none elsewhere); a tracker that cannot start raises on every rank."""
-    from shardtrain.train.data.validation import agree
+    from shardtrain.parallel.collectives import agree
 
     problem, trackers = None, []
     try:

@@ -20,7 +20,8 @@ from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_sta
 from shardtrain.checkpoint.hf_files import write_beside_model
 from shardtrain.checkpoint.model_state import model_config_dict
 from shardtrain.errors import OutputDirError
-from shardtrain.train.data.validation import agree, writable_problem
+from shardtrain.parallel.collectives import agree
+from shardtrain.train.data.validation import writable_problem
 from shardtrain.train.model.lora import is_peft_model, merged_state, write_adapter
 
 

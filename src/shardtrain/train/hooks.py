@@ -1,0 +1,118 @@
+"""The Trainer's side of its parts' callbacks: `TrainerLoopHooks` for the loop (`TrainingRun`) and
+`TrainerStepHooks` for one optimizer step (`OptimizerStep`). They are where the engine's parts meet Hugging
+Face's surface: callbacks fired through the Trainer's handler, `training_step` called with Hugging Face's
+signature, the Trainer's optimizer and scheduler stepped.
+
+    TrainingRun.run(...) -> TrainerLoopHooks.optimizer_step -> OptimizerStep.run
+        -> TrainerStepHooks.micro_step(MicroStep) -> Trainer.training_step -> compute_loss
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import TrainerControl
+
+from shardtrain.parallel.fsdp import reshard_all
+from shardtrain.train.data.training_data import Plan, TrainingData
+from shardtrain.train.step.batch_finder import smaller_batch
+from shardtrain.train.step.optim import discard_step, step_optimizer_and_scheduler
+from shardtrain.train.step.optimizer_step import MicroStep, StepResult
+from shardtrain.train.step.step_flow import LossWindow
+
+
+class TrainerLoopHooks:
+    """`LoopHooks` on a Trainer (`trainer`: shardtrain's `Trainer`, or a subclass)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    @property
+    def control(self) -> TrainerControl:
+        return self.trainer.control
+
+    def fire(self, event: str) -> None:
+        self.trainer._fire(event)
+
+    def log(self, logs: dict[str, float]) -> None:
+        self.trainer.log(logs)
+
+    def optimizer_step(self, batches: list[Any], placeholders: list[bool]) -> StepResult:
+        """`training_step` on each micro-batch, then clip and step (`OptimizerStep`); the state counts the step's
+        input tokens and Hugging Face's flos estimate."""
+        trainer = self.trainer
+        batches = [trainer._model_inputs(b) if isinstance(b, Mapping) else b for b in batches]
+        trainer.current_gradient_accumulation_steps = len(batches)  # Hugging Face's, read by libraries' losses
+        result = trainer._engine_step.run(batches, placeholders, TrainerStepHooks(trainer),
+                                          step=trainer.state.global_step, by_samples=trainer._loss_per_sample)
+        trainer.state.num_input_tokens_seen += result.input_tokens
+        trainer.state.total_flos += 6.0 * trainer._flop_params() * result.input_tokens
+        return result
+
+    def log_evaluate_save(self, window: LossWindow, last: StepResult | None) -> None:
+        self.trainer._maybe_log_evaluate_save(window, last)
+
+    def smaller_batch(self, err: BaseException) -> tuple[TrainingData, Plan]:
+        """`auto_find_batch_size`: a step ran out of memory; cut the per-device batch and grow the accumulation
+        steps by the same factor (`batch_finder`), every rank alike, so the global batch stays the same."""
+        trainer = self.trainer
+        configured = trainer.args.per_device_train_batch_size
+        smaller = smaller_batch(trainer._train_batch_size, configured)
+        trainer.optimizer.zero_grad(set_to_none=True)  # whatever the failed step had accumulated
+        trainer.backend.step_end()
+        if trainer.backend.is_sharded(trainer.model):
+            reshard_all(trainer.model)
+        if trainer.rank == 0:
+            print(f"warning: auto_find_batch_size: step {trainer.state.global_step + 1} ran out of memory with "
+                  f"{trainer._train_batch_size} samples per device ({type(err).__name__}); going on with {smaller} "
+                  f"x {trainer.args.gradient_accumulation_steps * configured // smaller} accumulation steps, the "
+                  "same global batch", file=sys.stderr, flush=True)
+        trainer._train_batch_size = trainer.state.train_batch_size = smaller
+        data = trainer._training_data()
+        return data, trainer._plan(data)
+
+    def checkpoint_for_exit(self) -> None:
+        trainer = self.trainer
+        if trainer._saved_step != trainer.state.global_step:
+            trainer._save_checkpoint(trainer.model, trainer._trial)
+        trainer._checkpoints().wait()
+
+
+class TrainerStepHooks:
+    """`StepHooks` on a Trainer: Hugging Face's `training_step` on each micro-batch, its callbacks between
+    micro-batches and around the optimizer step, and the scheduler's step."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def micro_step(self, micro: MicroStep) -> torch.Tensor:
+        trainer, num_items = self.trainer, micro.num_items
+        # Hugging Face sets Accelerate's sync_gradients per micro-batch (TRL's GRPO reads it); only an
+        # accelerator a library has asked for exists
+        accelerator = trainer.__dict__.get("_accelerator")
+        if accelerator is not None:
+            accelerator.gradient_state._set_sync_gradients(micro.is_last)
+        trainer._micro_step = micro  # what training_step (Hugging Face's signature) cannot be handed
+        try:
+            loss = trainer.training_step(trainer.model, micro.batch, num_items)
+        finally:
+            trainer._micro_step = None
+            if accelerator is not None:
+                accelerator.gradient_state._set_sync_gradients(True)  # outside a step, as Accelerate's
+        # Hugging Face's return is the micro-batch's share of the step loss times _loss_scale: back to its sum
+        return loss.detach().float() * (num_items / trainer._loss_scale if num_items is not None else 1)
+
+    def between_micro_steps(self) -> None:
+        self.trainer._fire("on_substep_end")
+
+    def discard_step(self) -> float:
+        trainer = self.trainer
+        return discard_step(trainer.optimizer, trainer.lr_scheduler, trainer.backend)
+
+    def optimizer_step(self) -> float:
+        trainer = self.trainer
+        return step_optimizer_and_scheduler(trainer.optimizer, trainer.lr_scheduler, trainer.backend,
+                                            fire=trainer._fire)

@@ -1,0 +1,1 @@
+"""The training loop (`TrainingRun`) and resuming a run (`resume`)."""
