@@ -11,24 +11,31 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerControl
 
+from shardtrain.checkpoint.layout import PREFIX
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data.training_data import Plan, TrainingData
 from shardtrain.train.step.batch_finder import smaller_batch
 from shardtrain.train.step.optim import discard_step, step_optimizer_and_scheduler
 from shardtrain.train.step.optimizer_step import MicroStep, StepResult
-from shardtrain.train.step.step_flow import LossWindow
+from shardtrain.train.step.step_flow import BestMetric, LossWindow
 
 
 class TrainerLoopHooks:
-    """`LoopHooks` on a Trainer (`trainer`: shardtrain's `Trainer`, or a subclass)."""
+    """`LoopHooks` on a Trainer (`trainer`: shardtrain's `Trainer`, or a subclass) for one `train()`;
+    `ignore_keys`: `train(ignore_keys_for_eval=...)`, for the evaluations during training."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: Any, ignore_keys: list[str] | None = None) -> None:
+        self.trainer, self.ignore_keys = trainer, ignore_keys
+        model = trainer.model  # Hugging Face's total_flos estimate: 6 x non-embedding parameters x tokens
+        count = getattr(model, "num_parameters", None)
+        self.flop_params = count(exclude_embeddings=True) if callable(count) else \
+            sum(p.numel() for p in model.parameters())
 
     @property
     def control(self) -> TrainerControl:
@@ -49,11 +56,32 @@ class TrainerLoopHooks:
         result = trainer._engine_step.run(batches, placeholders, TrainerStepHooks(trainer),
                                           step=trainer.state.global_step, by_samples=trainer._loss_per_sample)
         trainer.state.num_input_tokens_seen += result.input_tokens
-        trainer.state.total_flos += 6.0 * trainer._flop_params() * result.input_tokens
+        trainer.state.total_flos += 6.0 * self.flop_params * result.input_tokens
         return result
 
     def log_evaluate_save(self, window: LossWindow, last: StepResult | None) -> None:
-        self.trainer._maybe_log_evaluate_save(window, last)
+        """Hugging Face's `_maybe_log_save_evaluate`: log (the losses of the steps in `window`), evaluate, save,
+        as the `control` flags say (each event resets its flag)."""
+        trainer = self.trainer
+        args, state, step, best = trainer.args, trainer.state, trainer.state.global_step, BestMetric.of(trainer.args)
+        if window and trainer.control.should_log:
+            losses = window.fold()
+            # a window holds steps, so `last` is one of them
+            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(last.grad_norm),
+                    "learning_rate": last.learning_rate,
+                    **trainer.logger.throughput_and_memory(trainer.backend.all_gather, trainer.device)}
+            trainer.log(logs)
+        metrics = None
+        if trainer.control.should_evaluate:
+            metrics = trainer._evaluate(trainer._trial, self.ignore_keys)
+            if args.save_strategy == "best":
+                trainer.control.should_save = best.improves(metrics, state.best_metric)
+        if trainer.control.should_save:
+            # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
+            best.record(state, metrics, str(Path(trainer._get_output_dir(trainer._trial)) / f"{PREFIX}{step}"))
+            trainer._save_checkpoint(trainer.model, trainer._trial)
+        elif metrics is not None:
+            best.record(state, metrics)
 
     def smaller_batch(self, err: BaseException) -> tuple[TrainingData, Plan]:
         """`auto_find_batch_size`: a step ran out of memory; cut the per-device batch and grow the accumulation

@@ -26,7 +26,6 @@ import math
 import os
 import random
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,27 +54,22 @@ from transformers.trainer_utils import (
 
 from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES
 from shardtrain.checkpoint.hf_files import saved_processor
-from shardtrain.checkpoint.layout import PREFIX
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.config import env
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import (
-    CheckpointError,
     DataError,
     HubError,
-    OutputDirError,
     TrainerOverrideError,
     TrainingArgumentsError,
     install_error_hook,
 )
 from shardtrain.parallel.accelerate_bridge import engine_accelerator
-from shardtrain.parallel.collectives import agree
 from shardtrain.parallel.runtime import Runtime
-from shardtrain.parallel.states import TorchStates
 from shardtrain.train import verify
 from shardtrain.train.args.checks import check_compute_metrics
 from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides
-from shardtrain.train.args.preflight import DatasetChecks, check_training_inputs, resolve_resume
+from shardtrain.train.args.preflight import DatasetChecks, check_output_dir, check_training_inputs, resolve_resume
 from shardtrain.train.arguments import (
     TrainingArguments,
     engine_arguments,
@@ -87,20 +81,19 @@ from shardtrain.train.data.packing import check_packing
 from shardtrain.train.data.streaming import StreamPlan, check_stream_arguments, is_stream
 from shardtrain.train.data.training_data import TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
-from shardtrain.train.data.validation import ModelLimits, writable_problem
+from shardtrain.train.data.validation import ModelLimits
 from shardtrain.train.eval.generation import eval_generator
 from shardtrain.train.eval.loaders import ShareLoader
 from shardtrain.train.eval.loop import EvalLoop
 from shardtrain.train.hooks import TrainerLoopHooks
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
 from shardtrain.train.loop.resume import Resume
-from shardtrain.train.loop.run import TrainingRun
+from shardtrain.train.loop.run import TrainingRun, first_state, log_training_plan
 from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_trackers
-from shardtrain.train.model.export import ModelExport, write_model_card
+from shardtrain.train.model.export import ModelExport, save_through_override, write_model_card
 from shardtrain.train.model.lora import adapter_files
 from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
-from shardtrain.train.step.chunked_loss import resolve_chunk_size
 from shardtrain.train.step.guard import GuardedRun
 from shardtrain.train.step.loss import LossComputer
 from shardtrain.train.step.optim import (
@@ -109,7 +102,7 @@ from shardtrain.train.step.optim import (
     check_given_optimizer,
     steps_on_metric,
 )
-from shardtrain.train.step.optimizer_step import MicroStep, OptimizerStep, StepResult
+from shardtrain.train.step.optimizer_step import MicroStep, OptimizerStep
 from shardtrain.train.step.preemption import PreemptionHandler
 from shardtrain.train.step.router_loss import RouterLoss
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
@@ -219,7 +212,7 @@ class Trainer(transformers.Trainer):
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
         self.dp_rank = runtime.dp_rank  # which samples this rank sees
         self.preparation = ModelPreparation(runtime)
-        agree(writable_problem(args.output_dir, "TrainingArguments.output_dir"), OutputDirError)
+        check_output_dir(args.output_dir)
         set_seed(args.seed)
         self.model_init, self._peft_config = model_init, peft_config
         if model_init is not None and model is not None:
@@ -314,24 +307,8 @@ class Trainer(transformers.Trainer):
             if self._overrides("_save") and isinstance(model, nn.Module) else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
-        chunk = resolve_chunk_size(args.loss_chunk_size, self.model, tensor_parallel=self.dims.tp > 1,
-                                   device_type=self.device.type)
-        smoothing = args.label_smoothing_factor
-        if smoothing and getattr(getattr(self.model, "config", None), "problem_type", None) == \
-                "multi_label_classification":  # Hugging Face's rule and warning
-            warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling label "
-                          "smoothing for this training run.", UserWarning, stacklevel=3)
-            smoothing = 0.0
-        self.loss_computer = LossComputer(self.model, self.device,
-                                          bf16_autocast=args.bf16 and not args.fsdp_enabled, chunk_size=chunk,
-                                          label_smoothing=smoothing)
-        if smoothing and self.loss_computer.kind == "model":
-            raise TrainingArgumentsError(
-                f"TrainingArguments.label_smoothing_factor = {args.label_smoothing_factor} with "
-                f"{type(self.model).__name__}, which is trained on its own loss (not a cross entropy shardtrain "
-                "computes); set label_smoothing_factor 0, or smooth the labels in the model's loss")
+        self.loss_computer = LossComputer.for_run(self.model, self.device, args, tensor_parallel=self.dims.tp > 1)
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
-        self.__dict__.pop("_flop_param_count", None)
         if getattr(self.model, "config", None) is not None:  # as Hugging Face: no KV cache unless asked for (a
             self.model.config.use_cache = args.use_cache  # cache also turns off packed-sequence masks)
 
@@ -410,19 +387,9 @@ class Trainer(transformers.Trainer):
             plan.check_arguments(args)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
         self.create_optimizer_and_scheduler(max_steps)
-        self._log_training_plan(plan, max_steps)
-        self._engine_ignore_keys = ignore_keys_for_eval
-        self.state = TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
-                                  global_batch_size=plan.global_batch_size, epoch=0.0,
-                                  num_train_epochs=math.ceil(max_steps / (plan.steps_per_epoch or max_steps)),
-                                  train_batch_size=self._train_batch_size,
-                                  logging_steps=args.interval("logging_steps", max_steps),
-                                  eval_steps=args.interval("eval_steps", max_steps),
-                                  save_steps=args.interval("save_steps", max_steps),
-                                  is_local_process_zero=args.local_process_index == 0,
-                                  is_world_process_zero=self.rank == 0, total_flos=0.0,
-                                  stateful_callbacks=[cb for cb in [*self.callback_handler.callbacks, self.control]
-                                                      if isinstance(cb, ExportableState)])
+        log_training_plan(args, plan, max_steps, dataset=self.train_dataset, model=self.model)
+        self.state = first_state(args, plan, max_steps, rank=self.rank, train_batch_size=self._train_batch_size,
+                                 stateful=[*self.callback_handler.callbacks, self.control])
         if resume is not None:
             self.state = resume.restore(self._checkpoints(), self.state, plan, max_steps, args=args, rank=self.rank)
             self._load_callback_state()  # Hugging Face's: stateful callbacks (and the control) as saved
@@ -453,7 +420,7 @@ class Trainer(transformers.Trainer):
         run = TrainingRun(state=self.state, guarded=self._guarded, logger=self.logger, rank=self.rank,
                           output_dir=args.output_dir, retry_on_oom=args.auto_find_batch_size)
         try:
-            run.run(data, plan, max_steps, window, TrainerLoopHooks(self))
+            run.run(data, plan, max_steps, window, TrainerLoopHooks(self, ignore_keys_for_eval))
         except PrunedElsewhere:  # rank 0's study pruned this trial (hp_search.py); rank 0 raised optuna's error
             return TrainOutput(self.state.global_step, window.training_loss, {})
         finally:
@@ -478,23 +445,6 @@ class Trainer(transformers.Trainer):
             verify.write_dump(self, wanted)
             raise SystemExit(0)
         return TrainOutput(self.state.global_step, window.training_loss, metrics)
-
-    def _log_training_plan(self, plan: BatchPlan | StreamPlan | LoaderPlan, max_steps: int) -> None:
-        """Hugging Face's "***** Running training *****" block, on its logger (`log_level`)."""
-        from transformers.trainer_pt_utils import get_model_param_count
-
-        log = transformers.utils.logging.get_logger("transformers.trainer")
-        args, steps_per_epoch = self.args, plan.steps_per_epoch
-        log.info("***** Running training *****")
-        if not is_stream(self.train_dataset):
-            log.info(f"  Num examples = {len(self.train_dataset):,}")
-        log.info(f"  Num Epochs = {math.ceil(max_steps / (steps_per_epoch or max_steps)):,}")
-        log.info(f"  Num update steps per epoch = {steps_per_epoch:,}")
-        log.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
-        log.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.global_batch_size:,}")
-        log.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
-        log.info(f"  Total optimization steps = {max_steps:,}")
-        log.info(f"  Number of trainable parameters = {get_model_param_count(self.model, trainable_only=True):,}")
 
     def _check_datasets(self) -> None:
         """The datasets against the model, before the first step (collective: every rank raises together)."""
@@ -529,14 +479,6 @@ class Trainer(transformers.Trainer):
         """The training batches' part, at the per-device batch `auto_find_batch_size` came down to."""
         return TrainingData.of(self.args, self.runtime, self.train_dataset, self.data_collator,
                                per_device=self._train_batch_size)
-
-    def _flop_params(self) -> int:
-        """Non-embedding parameters, for Hugging Face's total_flos estimate (6 x parameters x tokens)."""
-        if not hasattr(self, "_flop_param_count"):
-            count = getattr(self.model, "num_parameters", None)
-            self._flop_param_count = count(exclude_embeddings=True) if callable(count) else \
-                sum(p.numel() for p in self.model.parameters())
-        return self._flop_param_count
 
     # -- Hugging Face's per-batch override points -------------------------------------------------------
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False,
@@ -706,29 +648,6 @@ class Trainer(transformers.Trainer):
         return self.lr_scheduler
 
     # -- logging, evaluation and saving during training -----------------------------------------------------
-    def _maybe_log_evaluate_save(self, window: LossWindow, last: StepResult | None) -> None:
-        """Hugging Face's `_maybe_log_save_evaluate`: log (the losses of the steps in `window`), evaluate, save,
-        as the `control` flags say (each event resets its flag)."""
-        args, step, best = self.args, self.state.global_step, BestMetric.of(self.args)
-        if window and self.control.should_log:
-            losses = window.fold()
-            # a window holds steps, so `last` is one of them
-            logs = {"loss": sum(losses) / len(losses), "grad_norm": float(last.grad_norm),
-                    "learning_rate": last.learning_rate,
-                    **self.logger.throughput_and_memory(self.backend.all_gather, self.device)}
-            self.log(logs)
-        metrics = None
-        if self.control.should_evaluate:
-            metrics = self._evaluate(self._trial, self._engine_ignore_keys)
-            if args.save_strategy == "best":
-                self.control.should_save = best.improves(metrics, self.state.best_metric)
-        if self.control.should_save:
-            # the best checkpoint is the one about to be written (Hugging Face: _determine_best_metric first)
-            best.record(self.state, metrics, str(Path(self._get_output_dir(self._trial)) / f"{PREFIX}{step}"))
-            self._save_checkpoint(self.model, self._trial)
-        elif metrics is not None:
-            best.record(self.state, metrics)
-
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
         """Hugging Face's: evaluate during training, report a trial's objective, and step a scheduler that steps on
         the metric (the same on every rank: evaluate() agrees on it)."""
@@ -824,11 +743,6 @@ class Trainer(transformers.Trainer):
         args = self.args
         self.backend.prepare_forward(self.model)
         loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
-        if not isinstance(dataloader, ShareLoader) and (self.dims.cp > 1 or self.dims.tp > 1):
-            raise TrainingArgumentsError(
-                "an overridden get_eval_dataloader/get_test_dataloader returned its own DataLoader while cp_size or "
-                "tp_size > 1, whose ranks must evaluate the same samples; return super().get_eval_dataloader(...) "
-                "(shardtrain's split of the dataset), or evaluate with cp_size and tp_size 1")
         # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
         user_step = self._user_prediction_step(ignore_keys)
         generate = None
@@ -846,8 +760,6 @@ class Trainer(transformers.Trainer):
         output, samples = loop.evaluate(dataloader, metric_key_prefix, self.compute_metrics, not loss_only)
         if self.state.epoch is not None and metric_key_prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
-        if not isinstance(dataloader, ShareLoader):  # the rows another loader gave (counted where predictions are kept)
-            samples = len(output.predictions) if output.predictions is not None else 0
         return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
                               num_samples=samples)
 
@@ -935,37 +847,12 @@ class Trainer(transformers.Trainer):
         gathered on rank 0 (`_gather_on_rank0` forces that path: the benchmark compares the two).
         """
         if self._overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
-            return self._save_through_override(Path(output_dir or self.args.output_dir))
+            return save_through_override(self, Path(output_dir or self.args.output_dir))
         return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
                                               processing_class=saved_processor(self.processing_class,
                                                                                self.data_collator),
                                               args_json=self.args.to_json_string(), merge_adapters=merge_adapters,
                                               gather_on_rank0=_gather_on_rank0, max_shard_bytes=_max_shard_bytes)
-
-    def _save_through_override(self, output_dir: Path) -> Path:
-        """An overridden `_save(output_dir)`, called as Hugging Face calls it: on rank 0, with `self.model` the
-        whole model (a CPU copy built from the gathered weights; code written for an unsharded model reads whole
-        tensors). Its failure is raised on every rank."""
-        name = f"{owner(type(self), '_save').__qualname__}._save"
-        if self.spec.xla or self._save_skeleton is None:
-            raise TrainingArgumentsError(f"{name} writes a whole model on one process, which the XLA backend (or a "
-                                         "model given by path) does not keep; remove the override to save the "
-                                         "engine's way")
-        full = TorchStates(self.model, None).full_model_state()  # collective: rank 0 holds the model whole
-        problem = None
-        if self.rank == 0:
-            sharded = self.model
-            try:
-                self.model = copy.deepcopy(self._save_skeleton).to_empty(device="cpu")
-                self.model.load_state_dict(full, strict=False)  # tied aliases: the same parameter, loaded once
-                self._save(str(output_dir))
-            except Exception as err:  # every rank raises it below
-                problem = f"{name} failed: {type(err).__name__}: {err}"
-            finally:
-                self.model = sharded
-        del full
-        agree(problem, CheckpointError)
-        return output_dir
 
     def save_state(self) -> None:
         """Write `output_dir/trainer_state.json` (rank 0), as Hugging Face's `save_state`."""

@@ -12,10 +12,16 @@ import torch
 
 from shardtrain.checkpoint.layout import PREFIX, SHARDED_DIR
 from shardtrain.checkpoint.manager import CheckpointManager
-from shardtrain.errors import CheckpointError, DataError, TrainingArgumentsError
+from shardtrain.errors import CheckpointError, DataError, OutputDirError, TrainingArgumentsError
+from shardtrain.parallel.collectives import agree
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.args.trackers import tracker_problem
-from shardtrain.train.data.validation import ModelLimits, validate_dataset
+from shardtrain.train.data.validation import ModelLimits, validate_dataset, writable_problem
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Collective: every rank raises `OutputDirError` when any rank cannot write `output_dir`."""
+    agree(writable_problem(output_dir, "TrainingArguments.output_dir"), OutputDirError)
 
 
 def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart_count: int, fsdp_enabled: bool,

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import EvalPrediction
 from transformers.trainer_utils import PredictionOutput, speed_metrics
 
-from shardtrain.errors import DataError
+from shardtrain.errors import DataError, TrainingArgumentsError
 from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel import collectives
 from shardtrain.parallel.collectives import over_data_ranks, per_rank
@@ -89,6 +89,7 @@ class EvalLoop:
         self.dp_rank, self.dp_size, self.device = runtime.dp_rank, runtime.dims.batch_size, runtime.device
         self.preprocess, self.on_step = preprocess, on_step  # on_step: on_prediction_step
         self.cp, self.prepare = runtime.cp, prepare  # prepare: the Trainer's collated batch -> model inputs
+        self.tp = runtime.dims.tp
         self.loss_group = runtime.meshes.loss.get_group()  # where (loss sum, token count) add up
         self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
         self.collects = runtime.collects_predictions  # one rank per cp x tp group contributes predictions
@@ -116,6 +117,11 @@ class EvalLoop:
         """
         start, global_batch = time.time(), self.batch_size * self.dp_size
         if not isinstance(loader, ShareLoader):
+            if self.cp is not None or self.tp > 1:
+                raise TrainingArgumentsError(
+                    "an overridden get_eval_dataloader/get_test_dataloader returned its own DataLoader while cp_size "
+                    "or tp_size > 1, whose ranks must evaluate the same samples; return super().get_eval_dataloader("
+                    "...) (shardtrain's split of the dataset), or evaluate with cp_size and tp_size 1")
             batches, steps = self._foreign(loader)
         elif loader.stream:
             if self.batch_metrics:
@@ -133,6 +139,8 @@ class EvalLoop:
                 self.rows, self.backend.all_reduce, self.device, self.dp_size, self.backend.world_size)
             speed_steps = -(-samples // global_batch)
         output.metrics.update(speed_metrics(prefix, start, num_samples=samples, num_steps=speed_steps))
+        if not isinstance(loader, ShareLoader):  # the rows another loader gave (counted where predictions are kept)
+            samples = len(output.predictions) if output.predictions is not None else 0
         return output, samples
 
     def _until_every_rank_is_done(self, batches: Iterator[tuple[list[int], dict]]

@@ -12,15 +12,20 @@ Where the data stands is derived from the step (a plan with a known pass length)
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import transformers
 from transformers import TrainerControl
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_pt_utils import get_model_param_count
 
 from shardtrain.checkpoint.manager import CheckpointManager
 from shardtrain.errors import DataError, print_line
 from shardtrain.train.data.batch_plan import BatchPlan
+from shardtrain.train.data.streaming import is_stream
 from shardtrain.train.data.training_data import Plan, TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
 from shardtrain.train.metrics.logger import MetricsLogger
@@ -172,3 +177,33 @@ class TrainingRun:
         hooks.log({"skipped_steps": self.state.skipped_steps})
         saved = CheckpointManager.list_checkpoints(self.output_dir)
         self.guarded.guard.skipped(self.state.global_step, reason, saved[-1].name if saved else None)
+
+
+def first_state(args: Any, plan: Plan, max_steps: int, *, rank: int, train_batch_size: int,
+                stateful: list[Any]) -> TrainerState:
+    """The `TrainerState` a run starts from (a resume replaces it with the saved one): Hugging Face's fields, the
+    intervals resolved against `max_steps`, the `ExportableState` objects among `stateful` (callbacks, control)."""
+    return TrainerState(max_steps=max_steps, steps_per_epoch=plan.steps_per_epoch,
+                        global_batch_size=plan.global_batch_size, epoch=0.0,
+                        num_train_epochs=math.ceil(max_steps / (plan.steps_per_epoch or max_steps)),
+                        train_batch_size=train_batch_size, logging_steps=args.interval("logging_steps", max_steps),
+                        eval_steps=args.interval("eval_steps", max_steps),
+                        save_steps=args.interval("save_steps", max_steps),
+                        is_local_process_zero=args.local_process_index == 0, is_world_process_zero=rank == 0,
+                        total_flos=0.0, stateful_callbacks=[c for c in stateful if isinstance(c, ExportableState)])
+
+
+def log_training_plan(args: Any, plan: Plan, max_steps: int, *, dataset: Any, model: Any) -> None:
+    """Hugging Face's "***** Running training *****" block, on its logger (`log_level`)."""
+    log = transformers.utils.logging.get_logger("transformers.trainer")
+    steps_per_epoch = plan.steps_per_epoch
+    log.info("***** Running training *****")
+    if not is_stream(dataset):
+        log.info(f"  Num examples = {len(dataset):,}")
+    log.info(f"  Num Epochs = {math.ceil(max_steps / (steps_per_epoch or max_steps)):,}")
+    log.info(f"  Num update steps per epoch = {steps_per_epoch:,}")
+    log.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
+    log.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.global_batch_size:,}")
+    log.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+    log.info(f"  Total optimization steps = {max_steps:,}")
+    log.info(f"  Number of trainable parameters = {get_model_param_count(model, trainable_only=True):,}")

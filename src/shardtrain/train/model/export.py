@@ -8,6 +8,7 @@ merged adapters, XLA and non-float states are gathered on rank 0.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,10 @@ from shardtrain.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, write_full_check
 from shardtrain.checkpoint.hf_export import save_sharded_pretrained, sharded_state, unsupported
 from shardtrain.checkpoint.hf_files import write_beside_model
 from shardtrain.checkpoint.model_state import model_config_dict
-from shardtrain.errors import OutputDirError
+from shardtrain.errors import CheckpointError, OutputDirError, TrainingArgumentsError
 from shardtrain.parallel.collectives import agree
+from shardtrain.parallel.states import TorchStates
+from shardtrain.train.args.hf_methods import owner
 from shardtrain.train.data.validation import writable_problem
 from shardtrain.train.model.lora import is_peft_model, merged_state, write_adapter
 
@@ -107,3 +110,30 @@ def write_model_card(out: Path, *, name: str, model: nn.Module, args: Any, state
     if evals:
         lines += ["", "## Results", "", "```json", json.dumps(evals[-1], indent=2), "```"]
     (out / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def save_through_override(trainer: Any, output_dir: Path) -> Path:
+    """A Trainer subclass's overridden `_save(output_dir)` (sentence-transformers' writer), called as Hugging Face
+    calls it: on rank 0, with `trainer.model` the whole model (a CPU copy built from the gathered weights and the
+    skeleton kept before sharding; code written for an unsharded model reads whole tensors). Collective: its
+    failure is raised on every rank."""
+    name = f"{owner(type(trainer), '_save').__qualname__}._save"
+    if trainer.spec.xla or trainer._save_skeleton is None:
+        raise TrainingArgumentsError(f"{name} writes a whole model on one process, which the XLA backend (or a "
+                                     "model given by path) does not keep; remove the override to save the "
+                                     "engine's way")
+    full = TorchStates(trainer.model, None).full_model_state()  # collective: rank 0 holds the model whole
+    problem = None
+    if trainer.rank == 0:
+        sharded = trainer.model
+        try:
+            trainer.model = copy.deepcopy(trainer._save_skeleton).to_empty(device="cpu")
+            trainer.model.load_state_dict(full, strict=False)  # tied aliases: the same parameter, loaded once
+            trainer._save(str(output_dir))
+        except Exception as err:  # every rank raises it below
+            problem = f"{name} failed: {type(err).__name__}: {err}"
+        finally:
+            trainer.model = sharded
+    del full
+    agree(problem, CheckpointError)
+    return output_dir

@@ -11,10 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtrain.errors import ChunkedLossError, LossError
+from shardtrain.errors import ChunkedLossError, LossError, TrainingArgumentsError
 from shardtrain.model_facts import IGNORE_INDEX, TARGET_KEYS
 from shardtrain.parallel.context import SHARD_KWARG
-from shardtrain.train.step.chunked_loss import chunked_cross_entropy, head_returns_input, output_head
+from shardtrain.train.step.chunked_loss import (
+    chunked_cross_entropy,
+    head_returns_input,
+    output_head,
+    resolve_chunk_size,
+)
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -157,6 +162,27 @@ class LossComputer:
         self.label_smoothing = float(label_smoothing)  # Hugging Face's label_smoothing_factor (torch's formula)
         self.placeholder = False  # the current micro-batch stands in for no sample (an epoch's short end)
         self._config = getattr(model, "config", None)
+
+    @classmethod
+    def for_run(cls, model: nn.Module, device: torch.device, args: Any, *, tensor_parallel: bool) -> LossComputer:
+        """The loss of a run with `TrainingArguments` `args`: autocast under bf16 without FSDP, the chunk size
+        (`loss_chunk_size`, "auto" resolved for the model), Hugging Face's label smoothing and its rules."""
+        chunk = resolve_chunk_size(args.loss_chunk_size, model, tensor_parallel=tensor_parallel,
+                                   device_type=device.type)
+        smoothing = args.label_smoothing_factor
+        if smoothing and getattr(getattr(model, "config", None), "problem_type", None) == \
+                "multi_label_classification":  # Hugging Face's rule and warning
+            warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling label "
+                          "smoothing for this training run.", UserWarning, stacklevel=4)
+            smoothing = 0.0
+        computer = cls(model, device, bf16_autocast=args.bf16 and not args.fsdp_enabled, chunk_size=chunk,
+                       label_smoothing=smoothing)
+        if smoothing and computer.kind == "model":
+            raise TrainingArgumentsError(
+                f"TrainingArguments.label_smoothing_factor = {args.label_smoothing_factor} with "
+                f"{type(model).__name__}, which is trained on its own loss (not a cross entropy shardtrain "
+                "computes); set label_smoothing_factor 0, or smooth the labels in the model's loss")
+        return computer
 
     def uses_model_loss(self, batch: dict[str, Any]) -> bool:
         """Whether `batch` is trained on the model's own loss rather than an exact cross entropy."""

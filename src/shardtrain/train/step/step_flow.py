@@ -3,7 +3,7 @@ which evaluation is the best (`BestMetric`): pure rules the Trainer applies afte
 
 When it logs, evaluates and saves is Hugging Face's own schedule: `DefaultFlowCallback` (in `callback_handler`, as
 under transformers) turns the strategies, intervals, `logging_first_step` and `eval_delay` into `control` flags at
-each step end and epoch end, and the Trainer acts on the flags (`Trainer._maybe_log_evaluate_save`, as
+each step end and epoch end, and the Trainer acts on the flags (`TrainerLoopHooks.log_evaluate_save`, as
 `transformers.Trainer._maybe_log_save_evaluate`). Removing that callback leaves only the flags other callbacks set,
 as under Hugging Face."""
 
