@@ -184,6 +184,39 @@ def set_explicit_prefetch(root: FSDPModule, units: list[FSDPModule]) -> None:
         current.set_modules_to_backward_prefetch([previous])
 
 
+def fsdp_units(model: nn.Module, config: FSDPConfig) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The FSDP units the wrap policy picks (the blocks that activation checkpointing and compile work on too;
+    experts `apply_ep` prepared are units of their own, left out) and the output head's unit (possibly empty)."""
+    units = [unit for unit in find_fsdp_units(model, config) if not getattr(unit, EP_FLAG, False)]
+    return units, output_unit(model, units, tied_parameter_ids(model), config)
+
+
+def apply_activation_checkpointing(model: nn.Module, units: list[nn.Module], config: FSDPConfig) -> list[nn.Module]:
+    """fsdp_config's activation checkpointing on each unit ("full" recomputes it; "selective" keeps matmul and
+    attention outputs: `activation_checkpoint.py`); returns the units as FSDP then shards them."""
+    if config.ac_mode == "none":
+        return units
+    if not units:
+        raise FSDPConfigError("fsdp_config 'activation_checkpointing' needs FSDP units to checkpoint, but "
+                              "auto_wrap_policy found none; use TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP")
+    units = wrap_checkpointing(model, units, config.ac_mode)
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        # A KV cache filled in forward would be filled again by the recomputation (as HF does for gradient
+        # checkpointing, turn it off for training; generate still works, without cache reuse).
+        model.config.use_cache = False
+    return units
+
+
+def apply_compile(model: nn.Module, units: list[nn.Module], compile_options: dict[str, Any] | None) -> None:
+    """`torch.compile` each unit (torchtitan's way: one compiled block per unit, FSDP's hooks and collectives
+    outside the graphs), in place (`nn.Module.compile`: names and state-dict keys stay); no units: one graph.
+    None: eager."""
+    if compile_options is None:
+        return
+    for unit in units or [model]:
+        unit.compile(**compile_options)
+
+
 def apply_fsdp(
     model: nn.Module,
     fsdp_config: FSDPConfig | None = None,
@@ -193,6 +226,7 @@ def apply_fsdp(
     expert_mesh: DeviceMesh | None = None,
     expert_grad_divide_factor: float | None = None,
     compile_options: dict[str, Any] | None = None,
+    units: tuple[list[nn.Module], list[nn.Module]] | None = None,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 according to `fsdp_config` and return it.
 
@@ -210,6 +244,8 @@ def apply_fsdp(
         compile_options: `torch.compile` options (backend, mode) to compile each FSDP unit with, before it is
             sharded (torchtitan's way: one compiled block per unit, FSDP's hooks and collectives stay outside
             the graphs); None: eager.
+        units: (units, head) that `fsdp_units` found and the earlier stages (`apply_activation_checkpointing`,
+            `apply_compile`) prepared, as `apply_layout` stages them; None: those stages run here.
 
     Raises:
         FSDPConfigError: bad wrap settings.
@@ -232,24 +268,12 @@ def apply_fsdp(
         else OffloadPolicy()
     common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
 
-    tied = tied_parameter_ids(model)
-    # experts prepared by apply_ep are units over the expert mesh (below), whatever the wrap policy picks
-    units = [unit for unit in find_fsdp_units(model, config) if not getattr(unit, EP_FLAG, False)]
-    head = output_unit(model, units, tied, config)
-    if config.ac_mode != "none":
-        if not units:
-            raise FSDPConfigError("fsdp_config 'activation_checkpointing' needs FSDP units to checkpoint, but "
-                                  "auto_wrap_policy found none; use TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP")
-        # "full" recomputes each unit; "selective" keeps matmul / attention outputs (activation_checkpoint.py)
-        units = wrap_checkpointing(model, units, config.ac_mode)
-        if getattr(getattr(model, "config", None), "use_cache", False):
-            # A KV cache filled in forward would be filled again by the recomputation (as HF does for
-            # gradient checkpointing, turn it off for training; generate still works, without cache reuse).
-            model.config.use_cache = False
-    if compile_options is not None:
-        # in place (`nn.Module.compile`): names and state-dict keys do not change; no units: one graph
-        for unit in units or [model]:
-            unit.compile(**compile_options)
+    if units is None:  # one call does every stage (the sharded loader, a user's script)
+        units, head = fsdp_units(model, config)
+        units = apply_activation_checkpointing(model, units, config)
+        apply_compile(model, units, compile_options)
+    else:
+        units, head = units
     for experts in expert_modules(model):
         if expert_mesh is None:
             raise ValueError("apply_fsdp: the model has expert-parallel experts (apply_ep); pass expert_mesh")

@@ -1,5 +1,6 @@
-"""A model's parallel layout, applied from outside in one place: context parallelism (its attention), then
-tensor parallel -> expert parallel -> activation checkpointing, compile and FSDP per unit, torchtitan's order.
+"""A model's parallel layout, applied from outside in one place, stage by stage in torchtitan's order: context
+parallelism (its attention), tensor parallel, expert parallel, then on the wrap policy's units activation
+checkpointing, compile and FSDP (a pipeline split will come before them).
 The Trainer (through its backend), the sharded loader (`load_pretrained(parallelize=...)`) and `shardtrain plan`
 all call `apply_layout`, so what is planned is what runs.
 
@@ -18,7 +19,7 @@ from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.expert import apply_ep, without_experts
-from shardtrain.parallel.fsdp import apply_fsdp
+from shardtrain.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, fsdp_units
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 
@@ -47,12 +48,11 @@ class Layout:
     cp: ContextParallel | None = None
 
 
-
 def apply_layout(model: nn.Module, layout: Layout) -> nn.Module:
-    """Context parallelism, tensor parallel, expert parallel, then activation checkpointing, compile and FSDP per
-    unit (`apply_fsdp`), in place, on the model's device (or the meta device); returns `model`."""
+    """Every stage, in torchtitan's order, in place, on the model's device (or the meta device); returns `model`.
+    Each stage is one call that the settings switch (a size of 1, `ac_mode` "none", no compile options)."""
     meshes, dims = layout.meshes, layout.dims
-    if layout.cp is not None:
+    if layout.cp is not None:  # context parallelism: the attention of each sequence part
         layout.cp.enable(model)
     if dims.tp > 1:
         plan = layout.tp_plan if layout.tp_plan is not None else model_tp_plan(model)
@@ -60,6 +60,10 @@ def apply_layout(model: nn.Module, layout: Layout) -> nn.Module:
                  strict=layout.tp_plan is not None)
     if dims.ep > 1:
         apply_ep(model, meshes.ep, meshes.tp, ep_implementation=layout.ep_implementation)
+    # the wrap policy's blocks: the unit of activation checkpointing, of compile and of FSDP
+    units, head = fsdp_units(model, layout.fsdp)
+    units = apply_activation_checkpointing(model, units, layout.fsdp)
+    apply_compile(model, units, layout.compile_options)
     apply_fsdp(model, layout.fsdp, meshes.fsdp, mixed_precision=layout.mixed_precision, expert_mesh=meshes.efsdp,
-               expert_grad_divide_factor=dims.grad_average_size, compile_options=layout.compile_options)
+               expert_grad_divide_factor=dims.grad_average_size, units=(units, head))
     return model
