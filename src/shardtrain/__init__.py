@@ -24,6 +24,11 @@ class _WrongDDPAdvice(logging.Filter):
 
 logging.getLogger("transformers.training_args").addFilter(_WrongDDPAdvice())
 
+
+# fsdp_config "layout": "auto" runs the planner, which sits above the Trainer: it is handed in here, at the top,
+# through the parallel layer's seam, by name (imported only when a run asks for it)
+import_module("shardtrain.parallel.layout_choice").register("shardtrain.plan.auto_layout:AutoLayout.before_start")
+
 _EXPORTS = {
     "CheckpointError": "shardtrain.errors",
     "DataError": "shardtrain.errors",

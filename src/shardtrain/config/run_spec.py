@@ -41,6 +41,8 @@ class RunSpec:
         cp_regather_kv: context parallel: all-gather K/V again in backward instead of keeping them.
         save_async: checkpoints written in the background.
         seed: the run's seed (the XLA runtime's RNG).
+        loss_chunk_size: tokens per chunk of the LM head and its cross entropy, "auto", or None (off); an
+            automatic layout may choose it (`parallel.layout_choice`).
     """
 
     output_dir: Path
@@ -57,6 +59,7 @@ class RunSpec:
     cp_regather_kv: bool = True
     save_async: bool = False
     seed: int = 42
+    loss_chunk_size: int | str | None = None
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -88,7 +91,8 @@ class RunSpec:
             restart_count=int(environ.get(env.RESTART_COUNT) or 0), ddp_timeout=args.ddp_timeout,
             mixed_precision=args.mixed_precision, tp_plan=_frozen(args.tp_plan),
             compile_options=_frozen(compile_options), gradient_checkpointing=_frozen(checkpointing),
-            cp_regather_kv=args.cp_regather_kv, save_async=args.save_async, seed=args.seed)
+            cp_regather_kv=args.cp_regather_kv, save_async=args.save_async, seed=args.seed,
+            loss_chunk_size=args.loss_chunk_size)
 
 
 def _frozen(mapping: Mapping | None) -> Mapping | None:

@@ -17,6 +17,7 @@ from shardtrain.parallel.backend import TrainingBackend
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.layout import Layout
+from shardtrain.parallel.layout_choice import LayoutChooser
 
 
 def make_backend(spec: RunSpec) -> TrainingBackend:
@@ -59,14 +60,14 @@ class Runtime:
                       mixed_precision=spec.mixed_precision, compile_options=spec.compile_options, cp=self.cp)
 
     @classmethod
-    def start(cls, spec: RunSpec, model: Any = None, auto_layout: Any = None) -> Runtime:
+    def start(cls, spec: RunSpec, model: Any = None, chooser: LayoutChooser | None = None) -> Runtime:
         """Set up the processes and meshes `spec` describes; refuse (on every rank) a `model` or a setting the
-        backend cannot run, before the model is touched. `auto_layout` (`plan.auto_layout.AutoLayout`, traced
-        before the process group starts) replaces the layout in `spec` by the one every rank agrees on."""
+        backend cannot run, before the model is touched. `chooser` (`layout_choice.before_start`'s, traced before
+        the process group starts): the runtime's spec is `spec` with the layout every rank agrees on, frozen."""
         backend = make_backend(spec)
         backend.setup()
-        if auto_layout is not None:
-            spec = auto_layout.agree(spec, backend)
+        if chooser is not None:
+            spec = chooser.agree(spec, backend)
         dims = ParallelDims.resolve(world_size=backend.world_size, fsdp_config=spec.fsdp,
                                     local_world_size=spec.local_world_size or backend.world_size, **spec.sizes)
         meshes = dims.build(backend.host_device_type)

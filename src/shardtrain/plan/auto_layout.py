@@ -173,7 +173,7 @@ class AutoLayout:
 
     def agree(self, spec: Any, backend: Any) -> Any:
         """Every rank: measure the rates, rank 0 chooses and broadcasts (sharding, AC, loss chunk); returns
-        `spec` with the chosen layout (`self.loss_chunk` holds the chosen chunk)."""
+        `spec` with the chosen layout, the loss chunk included when the arguments left it to the choice."""
         link, round_trip = measure_link(backend.device) if backend.world_size > 1 else ({}, 0.0)
         picked = torch.zeros(3, dtype=torch.int64, device=backend.device)
         problem = None
@@ -204,4 +204,5 @@ class AutoLayout:
         sharding, ac, self.loss_chunk = (int(v) for v in picked.cpu())
         fsdp = layout_config(spec.fsdp, SHARDINGS[sharding] if self.request.choose_sharding else None,
                              list(AC_VALUES)[ac])
-        return dataclasses.replace(spec, fsdp=fsdp)
+        chunk = {"loss_chunk_size": self.loss_chunk or None} if self.request.choose_loss_chunk else {}
+        return dataclasses.replace(spec, fsdp=fsdp, **chunk)

@@ -64,6 +64,7 @@ from shardtrain.errors import (
     TrainingArgumentsError,
     install_error_hook,
 )
+from shardtrain.parallel import layout_choice
 from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train import verify
@@ -198,16 +199,11 @@ class Trainer(transformers.Trainer):
         # the run description (arguments, launcher environment, parallel sizes), resolved once, and the runtime
         # started from it: backend (FSDP2, or PyTorch/XLA with fsdp_config "xla": true), meshes, cp, device
         spec = RunSpec.resolve(args)
-        # fsdp_config "layout": "auto": rank 0 traces the candidate layouts before the process group starts
-        self.auto_layout = None
-        if spec.fsdp is not None and spec.fsdp.layout == "auto":
-            from shardtrain.plan.auto_layout import AutoLayout  # the planner: imported only when asked for
-
-            self.auto_layout = AutoLayout.before_start(spec, args, model, train_dataset)
-        self.runtime = runtime = Runtime.start(spec, model, auto_layout=self.auto_layout)
+        # fsdp_config "layout": "auto": rank 0 traces the candidate layouts before the process group starts; the
+        # runtime's spec is frozen with the choice (the arguments stay as given)
+        self.auto_layout = layout_choice.before_start(spec, args, model, train_dataset)
+        self.runtime = runtime = Runtime.start(spec, model, chooser=self.auto_layout)
         self.spec = spec = runtime.spec
-        if self.auto_layout is not None and self.auto_layout.request.choose_loss_chunk:
-            args.loss_chunk_size = self.auto_layout.loss_chunk or None
         self.backend, self.dims, self.meshes, self.cp = runtime.backend, runtime.dims, runtime.meshes, runtime.cp
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
         self.dp_rank = runtime.dp_rank  # which samples this rank sees
@@ -307,7 +303,8 @@ class Trainer(transformers.Trainer):
             if self._overrides("_save") and isinstance(model, nn.Module) else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
-        self.loss_computer = LossComputer.for_run(self.model, self.device, args, tensor_parallel=self.dims.tp > 1)
+        self.loss_computer = LossComputer.for_run(self.model, self.device, args, chunk=self.spec.loss_chunk_size,
+                                                  tensor_parallel=self.dims.tp > 1)
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
         if getattr(self.model, "config", None) is not None:  # as Hugging Face: no KV cache unless asked for (a
             self.model.config.use_cache = args.use_cache  # cache also turns off packed-sequence masks)

@@ -48,7 +48,7 @@ if auto.rank == 0:
     OUT.joinpath("result.json").write_text(json.dumps({
         "choice": auto.auto_layout.choice.to_dict(),
         "applied": {"replicate_only": config.replicate_only, "reshard_after_forward": config.reshard_after_forward,
-                    "activation_checkpointing": config.ac_mode, "loss_chunk_size": auto.args.loss_chunk_size},
+                    "activation_checkpointing": config.ac_mode, "loss_chunk_size": auto.spec.loss_chunk_size},
         "losses": [h["loss"] for h in auto.state.log_history if "loss" in h],
         "default_losses": [h["loss"] for h in default.state.log_history if "loss" in h],
         "group_was_up": group_was_up, "started_choice": started.auto_layout.choice.to_dict(),

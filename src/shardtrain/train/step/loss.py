@@ -164,11 +164,11 @@ class LossComputer:
         self._config = getattr(model, "config", None)
 
     @classmethod
-    def for_run(cls, model: nn.Module, device: torch.device, args: Any, *, tensor_parallel: bool) -> LossComputer:
+    def for_run(cls, model: nn.Module, device: torch.device, args: Any, *, chunk: int | str | None,
+                tensor_parallel: bool) -> LossComputer:
         """The loss of a run with `TrainingArguments` `args`: autocast under bf16 without FSDP, the chunk size
-        (`loss_chunk_size`, "auto" resolved for the model), Hugging Face's label smoothing and its rules."""
-        chunk = resolve_chunk_size(args.loss_chunk_size, model, tensor_parallel=tensor_parallel,
-                                   device_type=device.type)
+        (`chunk`: the run's `loss_chunk_size`, "auto" resolved for the model), Hugging Face's label smoothing."""
+        chunk = resolve_chunk_size(chunk, model, tensor_parallel=tensor_parallel, device_type=device.type)
         smoothing = args.label_smoothing_factor
         if smoothing and getattr(getattr(model, "config", None), "problem_type", None) == \
                 "multi_label_classification":  # Hugging Face's rule and warning
