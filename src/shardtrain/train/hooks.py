@@ -1,7 +1,8 @@
-"""The Trainer's side of its parts' callbacks: `TrainerLoopHooks` for the loop (`TrainingRun`) and
-`TrainerStepHooks` for one optimizer step (`OptimizerStep`). They are where the engine's parts meet Hugging
-Face's surface: callbacks fired through the Trainer's handler, `training_step` called with Hugging Face's
-signature, the Trainer's optimizer and scheduler stepped.
+"""The Trainer's side of its parts' callbacks: `TrainerLoopHooks` for the loop (`TrainingRun`),
+`TrainerStepHooks` for one optimizer step (`OptimizerStep`) and `trainer_eval_loop` for evaluation
+(`EvalLoop`). They are where the engine's parts meet Hugging Face's surface: callbacks fired through the
+Trainer's handler, `training_step` and `prediction_step` called with Hugging Face's signatures, the Trainer's
+optimizer and scheduler stepped.
 
     TrainingRun.run(...) -> TrainerLoopHooks.optimizer_step -> OptimizerStep.run
         -> TrainerStepHooks.micro_step(MicroStep) -> Trainer.training_step -> compute_loss
@@ -9,6 +10,7 @@ signature, the Trainer's optimizer and scheduler stepped.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +22,8 @@ from transformers import TrainerControl
 from shardtrain.checkpoint.layout import PREFIX
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data.training_data import Plan, TrainingData
+from shardtrain.train.eval.generation import eval_generator
+from shardtrain.train.eval.loop import EvalLoop
 from shardtrain.train.step.batch_finder import smaller_batch
 from shardtrain.train.step.optim import discard_step, step_optimizer_and_scheduler
 from shardtrain.train.step.optimizer_step import MicroStep, StepResult
@@ -144,3 +148,34 @@ class TrainerStepHooks:
         trainer = self.trainer
         return step_optimizer_and_scheduler(trainer.optimizer, trainer.lr_scheduler, trainer.backend,
                                             fire=trainer._fire)
+
+
+def trainer_eval_loop(trainer: Any, description: str, ignore_keys: list[str] | None) -> EvalLoop:
+    """The `EvalLoop` of one `evaluation_loop` call ("Evaluation" or "Prediction") on `trainer`: its model, loss
+    and arguments; an overridden `prediction_step` (or `compute_loss`: Seq2SeqTrainer's, TRL's) in place of the
+    engine's forward; `generate` under `predict_with_generate`; `on_prediction_step` after each batch."""
+    args = trainer.args
+    user_step = None
+    if trainer._overrides("prediction_step") or trainer._custom_loss:
+        def user_step(inputs: dict, loss_only: bool) -> tuple:
+            loss, logits, labels = trainer.prediction_step(trainer.model, inputs, loss_only, ignore_keys)
+            if isinstance(logits, list):
+                logits = tuple(logits)
+            return loss, (logits or None) if isinstance(logits, tuple) else logits, labels
+    generate = None
+    if args.predict_with_generate and user_step is None:
+        generate = eval_generator(trainer.model, causal_lm=trainer.loss_computer.shift_labels,
+                                  max_length=args.generation_max_length, num_beams=args.generation_num_beams)
+
+    def batch_done(steps: int | None) -> None:  # callbacks see a sized eval_dataloader (Hugging Face's bar reads it)
+        trainer.callback_handler.eval_dataloader = range(steps) if steps is not None else None  # a stream: unknown
+        trainer._fire("on_prediction_step")
+
+    return EvalLoop(trainer.runtime, trainer.model, trainer.loss_computer, args.per_device_eval_batch_size,
+                    preprocess=trainer.preprocess_logits_for_metrics, on_step=batch_done,
+                    prepare=functools.partial(trainer._model_inputs, add_labels=False), generate=generate,
+                    prediction_step=user_step, batch_metrics=args.batch_eval_metrics,
+                    keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
+                    inputs_key=getattr(trainer.model, "main_input_name", "input_ids")
+                    if "inputs" in (args.include_for_metrics or []) else None,
+                    label_names=tuple(trainer.label_names), drop_last=args.dataloader_drop_last)

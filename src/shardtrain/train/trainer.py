@@ -83,10 +83,8 @@ from shardtrain.train.data.streaming import StreamPlan, check_stream_arguments, 
 from shardtrain.train.data.training_data import TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
 from shardtrain.train.data.validation import ModelLimits
-from shardtrain.train.eval.generation import eval_generator
 from shardtrain.train.eval.loaders import ShareLoader
-from shardtrain.train.eval.loop import EvalLoop
-from shardtrain.train.hooks import TrainerLoopHooks
+from shardtrain.train.hooks import TrainerLoopHooks, trainer_eval_loop
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
 from shardtrain.train.loop.resume import Resume
 from shardtrain.train.loop.run import TrainingRun, first_state, log_training_plan
@@ -232,7 +230,7 @@ class Trainer(transformers.Trainer):
         self._signature_columns: list[str] | None = None
         keep_columns = None
         # a library that builds its own dataloaders (sentence-transformers) keeps the columns its collator reads
-        owns_loading = not self.labels_from_inputs and self._overrides_train_loader
+        owns_loading = not self.labels_from_inputs and self._overrides("get_train_dataloader")
         if args.remove_unused_columns and not owns_loading:
             self._set_signature_columns_if_needed()
             keep_columns = frozenset(self._signature_columns)
@@ -452,16 +450,10 @@ class Trainer(transformers.Trainer):
         if self.eval_dataset is not None and self.args.eval_strategy != "no":
             checks.check(self.eval_dataset, "eval_dataset", limits, need_targets=False, again=True)
 
-    @property
-    def _overrides_train_loader(self) -> bool:
-        """Whether a subclass (a user's, or a library's) overrides `get_train_dataloader`."""
-        return type(self).get_train_dataloader is not Trainer.get_train_dataloader
-
     def _plan(self, data: TrainingData) -> BatchPlan | StreamPlan | LoaderPlan:
-        if not self._overrides_train_loader:
+        if not self._overrides("get_train_dataloader"):
             return self._own_plan(data)
-        owner = next(c.__qualname__ for c in type(self).__mro__ if "get_train_dataloader" in vars(c))
-        return data.plan(self.get_train_dataloader, owner)
+        return data.plan(self.get_train_dataloader, owner(type(self), "get_train_dataloader").__qualname__)
 
     def _own_plan(self, data: TrainingData) -> BatchPlan | StreamPlan:
         """The engine's plan over the train dataset, in the order of `_get_train_sampler` when it gives one."""
@@ -594,7 +586,7 @@ class Trainer(transformers.Trainer):
 
     @property
     def _custom_loss(self) -> bool:
-        return type(self).compute_loss is not Trainer.compute_loss or self.compute_loss_func is not None
+        return self._overrides("compute_loss") or self.compute_loss_func is not None
 
     @property
     def _loss_scale(self) -> int:
@@ -737,46 +729,14 @@ class Trainer(transformers.Trainer):
         the dataset, evaluated exactly (token sums over every rank, predictions gathered in dataset order); any
         other loader's batches (an override's) are this rank's, gathered in rank order.
         """
-        args = self.args
         self.backend.prepare_forward(self.model)
-        loss_only = prediction_loss_only if prediction_loss_only is not None else args.prediction_loss_only
-        # a prediction_step of the user's or a library's (Seq2SeqTrainer generates in it) replaces shardtrain's
-        user_step = self._user_prediction_step(ignore_keys)
-        generate = None
-        if args.predict_with_generate and user_step is None:
-            generate = eval_generator(self.model, causal_lm=self.loss_computer.shift_labels,
-                                      max_length=args.generation_max_length, num_beams=args.generation_num_beams)
-        loop = EvalLoop(self.runtime, self.model, self.loss_computer, args.per_device_eval_batch_size,
-                        preprocess=self.preprocess_logits_for_metrics, on_step=self._prediction_batch_done,
-                        prepare=functools.partial(self._model_inputs, add_labels=False), generate=generate,
-                        prediction_step=user_step, batch_metrics=args.batch_eval_metrics,
-                        keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
-                        inputs_key=getattr(self.model, "main_input_name", "input_ids")
-                        if "inputs" in (args.include_for_metrics or []) else None,
-                        label_names=tuple(self.label_names), drop_last=args.dataloader_drop_last)
+        loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        loop = trainer_eval_loop(self, description, ignore_keys)
         output, samples = loop.evaluate(dataloader, metric_key_prefix, self.compute_metrics, not loss_only)
         if self.state.epoch is not None and metric_key_prefix == "eval":
             output.metrics["epoch"] = self.state.epoch
         return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
                               num_samples=samples)
-
-    def _prediction_batch_done(self, steps: int | None) -> None:
-        """on_prediction_step; callbacks see a sized `eval_dataloader` (Hugging Face's evaluation bar reads its
-        length: this rank's batches)."""
-        self.callback_handler.eval_dataloader = range(steps) if steps is not None else None  # a stream: unknown
-        self._fire("on_prediction_step")
-
-    def _user_prediction_step(self, ignore_keys: list[str] | None) -> Callable | None:
-        """`prediction_step` as the eval loop calls it, when the user overrode it or `compute_loss`; else None."""
-        if type(self).prediction_step is Trainer.prediction_step and not self._custom_loss:
-            return None
-
-        def step(inputs: dict, loss_only: bool) -> tuple:
-            loss, logits, labels = self.prediction_step(self.model, inputs, loss_only, ignore_keys)
-            if isinstance(logits, list):
-                logits = tuple(logits)
-            return loss, (logits or None) if isinstance(logits, tuple) else logits, labels
-        return step
 
     def _eval_collator(self) -> Callable:
         """The collator of evaluation and prediction batches (padded even when training packs them)."""
