@@ -47,7 +47,7 @@ from shardtrain.plan.trace_modes import (
 )
 
 if TYPE_CHECKING:
-    from shardtrain.train.step.optimizer_step import MicroStep
+    from shardtrain.train.step.micro import MicroStep
 
 # FSDPMemTracker's categories (its _FSDPRefType values), grouped into the rows of the report
 STATE_PARAM, STATE_GRAD, STATE_OPT = ("Sharded Param", "Buffer"), ("Sharded Grad",), ("OptState",)

@@ -25,8 +25,9 @@ from shardtrain.train.data.training_data import Plan, TrainingData
 from shardtrain.train.eval.generation import eval_generator
 from shardtrain.train.eval.loop import EvalLoop
 from shardtrain.train.step.batch_finder import smaller_batch
+from shardtrain.train.step.micro import MicroStep
 from shardtrain.train.step.optim import discard_step, step_optimizer_and_scheduler
-from shardtrain.train.step.optimizer_step import MicroStep, StepResult
+from shardtrain.train.step.optimizer_step import StepResult
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
 
 
@@ -127,15 +128,15 @@ class TrainerStepHooks:
         accelerator = trainer.__dict__.get("_accelerator")
         if accelerator is not None:
             accelerator.gradient_state._set_sync_gradients(micro.is_last)
-        trainer._micro_step = micro  # what training_step (Hugging Face's signature) cannot be handed
-        try:
+        try:  # (training_step reads the rest of `micro` as the loss's current micro-step)
             loss = trainer.training_step(trainer.model, micro.batch, num_items)
         finally:
-            trainer._micro_step = None
             if accelerator is not None:
                 accelerator.gradient_state._set_sync_gradients(True)  # outside a step, as Accelerate's
-        # Hugging Face's return is the micro-batch's share of the step loss times _loss_scale: back to its sum
-        return loss.detach().float() * (num_items / trainer._loss_scale if num_items is not None else 1)
+        # Hugging Face's return is the micro-batch's share of the step loss: back to its sum (a library's own
+        # loss, num_items None, is its mean already)
+        loss = loss.detach().float()
+        return trainer.loss_units.to_sum(loss, num_items) if num_items is not None else loss
 
     def between_micro_steps(self) -> None:
         self.trainer._fire("on_substep_end")

@@ -95,13 +95,14 @@ from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step.guard import GuardedRun
 from shardtrain.train.step.loss import LossComputer
+from shardtrain.train.step.loss_units import LossUnits
 from shardtrain.train.step.optim import (
     build_optimizer,
     build_scheduler,
     check_given_optimizer,
     steps_on_metric,
 )
-from shardtrain.train.step.optimizer_step import MicroStep, OptimizerStep
+from shardtrain.train.step.optimizer_step import OptimizerStep
 from shardtrain.train.step.preemption import PreemptionHandler
 from shardtrain.train.step.router_loss import RouterLoss
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
@@ -257,9 +258,6 @@ class Trainer(transformers.Trainer):
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.rank == 0)
         self.control = TrainerControl()
-        # the micro-batch in progress (OptimizerStep's; None: training_step called on its own, which
-        # backpropagates its micro-batch's mean loss, as Hugging Face's)
-        self._micro_step: MicroStep | None = None
         self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
@@ -492,10 +490,10 @@ class Trainer(transformers.Trainer):
             loss = loss_sum / count
             if self.router_loss.enabled and model.training:  # MoE: + coef x load-balancing loss (router_loss.py),
                 # this rank's share, averaged over the step's micro-batches (as the cross entropy is summed)
-                loss = loss + self.router_loss.local_share(outputs, inputs) / \
-                    (self._micro_step.count if self._micro_step is not None else 1)
+                micro = self.loss_computer.current
+                loss = loss + self.router_loss.local_share(outputs, inputs) / (micro.count if micro else 1)
         if num_items_in_batch is not None:
-            loss = loss * self._loss_scale  # Hugging Face's convention (see _loss_scale)
+            loss = self.loss_units.hf(loss)  # Hugging Face's convention (step/loss_units.py)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
@@ -522,15 +520,18 @@ class Trainer(transformers.Trainer):
         elif self._custom_loss or self.router_loss.enabled:
             # Hugging Face's compute_loss contract (and the router loss, added in token-sum units)
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-            micro_sum = loss * num_items_in_batch / self._loss_scale
+            micro_sum = self.loss_units.to_sum(loss, num_items_in_batch)
         else:
             micro_sum = self.loss_computer(inputs)
         if self.loss_computer.placeholder:  # stands in for no sample: forward and backward (FSDP collectives), weight 0
             micro_sum = micro_sum * 0.0
-        scale = self._micro_step.grad_scale if self._micro_step is not None else 1 / num_items_in_batch
+        # the step's backward scale (None: training_step called on its own, which backpropagates its micro-batch's
+        # mean loss, as Hugging Face's)
+        micro = self.loss_computer.current
+        scale = micro.grad_scale if micro is not None else 1 / num_items_in_batch
         (micro_sum * scale).backward()
-        # Hugging Face's return: this micro-batch's share of the step loss, times _loss_scale
-        return micro_sum.detach() / num_items_in_batch * self._loss_scale
+        # Hugging Face's return: this micro-batch's share of the step loss, in its units
+        return self.loss_units.from_sum(micro_sum.detach(), num_items_in_batch)
 
     def _library_training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         """Hugging Face's `training_step` on a batch only the library reads: its `_prepare_inputs` makes the model
@@ -589,12 +590,11 @@ class Trainer(transformers.Trainer):
         return self._overrides("compute_loss") or self.compute_loss_func is not None
 
     @property
-    def _loss_scale(self) -> int:
-        """Hugging Face's factor on a loss normalised by the global `num_items_in_batch`: the ranks with distinct
-        data (DDP averages gradients over them; tensor-parallel ranks share theirs). `compute_loss` returns it
-        multiplied in, and `training_step` divides it out, so a library's `compute_loss` that applies it (TRL's)
-        trains exactly."""
-        return self.world_size // self.dims.tp if self.args.average_tokens_across_devices else 1
+    def loss_units(self) -> LossUnits:
+        """The conversions between the engine's token sums and Hugging Face's loss units (`step/loss_units.py`;
+        `average_tokens_across_devices` may change between hyperparameter trials)."""
+        return LossUnits.of(world_size=self.world_size, tp=self.dims.tp,
+                            average_tokens_across_devices=self.args.average_tokens_across_devices)
 
     @property
     def _loss_per_sample(self) -> bool:

@@ -21,6 +21,7 @@ from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.eval.loaders import PendingBatch, ShareLoader
 from shardtrain.train.step.loss import LossComputer, batch_rows
+from shardtrain.train.step.micro import EVAL_PLACEHOLDER
 
 _NOT_RETURNED = object()  # no prediction_step ran: the batch's own labels are collected
 
@@ -214,13 +215,13 @@ class EvalLoop:
                     own = self.loss.uses_model_loss(inputs)
                     if own and 0 < real < len(indices):  # the model's mean loss: over real samples only
                         inputs = _first_rows(inputs, real)
-                    self.loss.placeholder = own and real == 0
+                    self.loss.current = EVAL_PLACEHOLDER if own and real == 0 else None
                     # the logits only when predictions are collected from them (else a chunked loss may run)
                     loss_sum, logits = self.loss.forward(inputs, keep_logits=with_predictions
                                                          and self.generate is None)
                     totals[0] += loss_sum.double()
                     totals[1] += self.loss.items(inputs).double()
-                    self.loss.placeholder = False
+                    self.loss.current = None
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
                 if with_predictions and self.generate is not None:

@@ -20,6 +20,7 @@ from shardtrain.train.step.chunked_loss import (
     output_head,
     resolve_chunk_size,
 )
+from shardtrain.train.step.micro import MicroStep
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -160,7 +161,7 @@ class LossComputer:
         self.bf16_autocast = bf16_autocast
         self.chunk_size = chunk_size
         self.label_smoothing = float(label_smoothing)  # Hugging Face's label_smoothing_factor (torch's formula)
-        self.placeholder = False  # the current micro-batch stands in for no sample (an epoch's short end)
+        self.current: MicroStep | None = None  # the micro-batch in progress (OptimizerStep's, or evaluation's)
         self._config = getattr(model, "config", None)
 
     @classmethod
@@ -208,6 +209,11 @@ class LossComputer:
         if labels.dim() > 1 and self.shift_labels:
             return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         return labels
+
+    @property
+    def placeholder(self) -> bool:
+        """Whether the current micro-batch stands in for no sample (an epoch's short end): it weighs 0."""
+        return self.current is not None and self.current.placeholder
 
     def standing_in(self) -> bool:
         """Whether the current micro-batch is a placeholder (it stands in for no sample)."""

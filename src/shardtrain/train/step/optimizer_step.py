@@ -31,35 +31,9 @@ from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.expert import rescale_expert_grads
 from shardtrain.train.step.guard import StepGuard
 from shardtrain.train.step.loss import LossComputer
+from shardtrain.train.step.micro import MicroStep
 from shardtrain.train.step.optim import clip_grads
 from shardtrain.train.step.preemption import Preempted, PreemptionHandler
-
-
-@dataclass(frozen=True, kw_only=True)
-class MicroStep:
-    """One micro-batch of an optimizer step, with the facts its forward and backward need.
-
-    Attributes:
-        batch: the model inputs (or a library's own batch).
-        index: its place in the step (0-based), of `count`.
-        count: the step's micro-batches.
-        num_items: the global batch's target tokens (or samples); None for a library's batches, whose loss is
-            its own mean.
-        grad_scale: the backward of the loss *sum* is scaled by it (1 / global targets x the gradient average).
-        placeholder: it stands in for no sample (an epoch's short end): forward and backward, weight 0.
-    """
-
-    batch: Any
-    index: int
-    count: int
-    num_items: torch.Tensor | None
-    grad_scale: float
-    placeholder: bool = False
-
-    @property
-    def is_last(self) -> bool:
-        """The step's last micro-batch (gradients are reduced after it; Accelerate's `sync_gradients`)."""
-        return self.index == self.count - 1
 
 
 class StepHooks(Protocol):
@@ -154,13 +128,13 @@ class OptimizerStep:
         for index, batch in enumerate(batches):
             if self.sharded and last > 0:  # reduce-scatter once per step, after the last micro-batch
                 self.model.set_requires_gradient_sync(index == last)
-            self.loss.placeholder = placeholders[index]  # a model's own mean loss weighs 0 there
+            micro = MicroStep(batch=batch, index=index, count=len(batches), num_items=num_items,
+                              grad_scale=grad_scale, placeholder=placeholders[index])
+            self.loss.current = micro  # for code with Hugging Face's signatures (a placeholder weighs 0)
             try:
-                loss_sum += hooks.micro_step(MicroStep(batch=batch, index=index, count=len(batches),
-                                                       num_items=num_items, grad_scale=grad_scale,
-                                                       placeholder=placeholders[index]))
+                loss_sum += hooks.micro_step(micro)
             finally:
-                self.loss.placeholder = False
+                self.loss.current = None
             if index < last:
                 hooks.between_micro_steps()
         if self.dims.ep > 1:
