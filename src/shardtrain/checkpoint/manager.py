@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,16 @@ from shardtrain.parallel.distributed import barrier
 from shardtrain.parallel.states import TorchStates, clean_name
 
 
+@dataclass
+class RunParts:
+    """The stateful parts a `CheckpointManager` saves and restores, given once."""
+
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any | None = None
+    processor: Any | None = None
+
+
 class CheckpointManager:
     """Saves and restores a training run. All ranks call every method (they are collective).
 
@@ -92,24 +103,44 @@ class CheckpointManager:
         training_args: in Hugging Face's layout, saved as its training_args.bin (written, never read).
         processor: the tokenizer / processor written into every checkpoint with the generation config
             (`hf_files.write_beside_model`), as transformers does; None: none.
+        parts: instead of model, optimizer, scheduler and processor: an object whose attributes of those names
+            are read at each save and load (the Trainer registers its parts once: `train.hooks.TrainerParts`).
     """
 
-    def __init__(self, output_dir: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 scheduler: Any | None, state_dict_type: str = "FULL_STATE_DICT",
-                 save_total_limit: int | None = None, frozen_base: dict[str, Any] | None = None,
-                 extra_files: dict[str, str] | None = None, state_access: type = TorchStates,
-                 hf_layout: bool = False, training_args: Any = None, processor: Any = None) -> None:
+    def __init__(self, output_dir: str | Path, *, model: nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, scheduler: Any | None = None,
+                 state_dict_type: str = "FULL_STATE_DICT", save_total_limit: int | None = None,
+                 frozen_base: dict[str, Any] | None = None, extra_files: dict[str, str] | None = None,
+                 state_access: type = TorchStates, hf_layout: bool = False, training_args: Any = None,
+                 processor: Any = None, parts: Any = None) -> None:
         self.output_dir = Path(output_dir)
         self.extra_files = dict(extra_files or {})
         self.frozen_base = frozen_base
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        # the stateful parts, registered once: read at every save and load (a Trainer's optimizer appears later)
+        self.parts = parts if parts is not None else RunParts(model, optimizer, scheduler, processor)
         self.state_access = state_access
         self.state_dict_type = "FULL_STATE_DICT" if hf_layout else state_dict_type
-        self.hf_layout, self.training_args, self.processor = hf_layout, training_args, processor
+        self.hf_layout, self.training_args = hf_layout, training_args
         self.save_total_limit = save_total_limit
         self.rank = collectives.get_rank()
         self.writes = AtomicWrites(self.output_dir, self.rank)  # the temporary directory, agreement, commit
         self._async = AsyncSaver(self)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.parts.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.parts.optimizer
+
+    @property
+    def scheduler(self) -> Any | None:
+        return self.parts.scheduler
+
+    @property
+    def processor(self) -> Any | None:
+        return self.parts.processor
 
     def states(self) -> TorchStates:
         """Access to the current model and optimizer state (see `shardtrain.parallel.states`)."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from transformers import TrainerControl
 
+from shardtrain.checkpoint.hf_files import saved_processor
 from shardtrain.checkpoint.layout import PREFIX
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data.training_data import Plan, TrainingData
@@ -29,6 +30,30 @@ from shardtrain.train.step.micro import MicroStep
 from shardtrain.train.step.optim import discard_step, step_optimizer_and_scheduler
 from shardtrain.train.step.optimizer_step import StepResult
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
+
+
+class TrainerParts:
+    """A Trainer's stateful parts as its `CheckpointManager` reads them (registered once, read at each save and
+    load: the optimizer and scheduler appear in `train()`, a `model_init` run brings a new model)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    @property
+    def model(self) -> Any:
+        return self.trainer.model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.trainer.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self.trainer.lr_scheduler
+
+    @property
+    def processor(self) -> Any:  # the tokenizer, or the one a collator holds, as transformers saves it
+        return saved_processor(self.trainer.processing_class, self.trainer.data_collator)
 
 
 class TrainerLoopHooks:

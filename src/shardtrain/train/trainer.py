@@ -84,7 +84,7 @@ from shardtrain.train.data.training_data import TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
 from shardtrain.train.data.validation import ModelLimits
 from shardtrain.train.eval.loaders import ShareLoader
-from shardtrain.train.hooks import TrainerLoopHooks, trainer_eval_loop
+from shardtrain.train.hooks import TrainerLoopHooks, TrainerParts, trainer_eval_loop
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
 from shardtrain.train.loop.resume import Resume
 from shardtrain.train.loop.run import TrainingRun, first_state, log_training_plan
@@ -334,20 +334,14 @@ class Trainer(transformers.Trainer):
         manager = getattr(self, "_checkpoint_manager", None)
         # Hugging Face's run directory: output_dir, or output_dir/run-<trial> under hyperparameter_search
         root = Path(self._get_output_dir(getattr(self, "_trial", None)))
-        if manager is not None and manager.output_dir != root:
-            manager.close()
-            manager = None
-        if manager is None:
-            manager = CheckpointManager(root, model=self.model, optimizer=self.optimizer,
-                                        scheduler=self.lr_scheduler,
-                                        state_dict_type=self.args.fsdp_config.state_dict_type,
-                                        save_total_limit=self.args.save_total_limit,
-                                        frozen_base=self._frozen_base, extra_files=adapter_files(self.model),
-                                        state_access=self.backend.state_access,
-                                        hf_layout=not self.args.fsdp_enabled, training_args=self.args)
-            self._checkpoint_manager = manager
-        manager.model, manager.optimizer, manager.scheduler = self.model, self.optimizer, self.lr_scheduler
-        manager.processor = saved_processor(self.processing_class, self.data_collator)
+        if manager is None or manager.output_dir != root:  # built once per run directory, the parts registered
+            if manager is not None:
+                manager.close()
+            manager = self._checkpoint_manager = CheckpointManager(
+                root, parts=TrainerParts(self), state_dict_type=self.args.fsdp_config.state_dict_type,
+                save_total_limit=self.args.save_total_limit, frozen_base=self._frozen_base,
+                extra_files=adapter_files(self.model), state_access=self.backend.state_access,
+                hf_layout=not self.args.fsdp_enabled, training_args=self.args)
         return manager
 
     # -- training -------------------------------------------------------------------------------------
