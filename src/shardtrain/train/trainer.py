@@ -69,11 +69,11 @@ from shardtrain.parallel.accelerate_bridge import engine_accelerator
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train import verify
 from shardtrain.train.args.checks import check_compute_metrics
+from shardtrain.train.args.handover import engine_arguments
 from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides
 from shardtrain.train.args.preflight import DatasetChecks, check_output_dir, check_training_inputs, resolve_resume
 from shardtrain.train.arguments import (
     TrainingArguments,
-    engine_arguments,
     take_accumulation_from_accelerator_config,
 )
 from shardtrain.train.data.batch_plan import BatchPlan, forward_columns
