@@ -180,7 +180,7 @@ def test_a_library_config_is_taken_over_without_the_fields_its_post_init_derived
 
     import trl
 
-    from shardtrain.train.arguments import engine_arguments
+    from shardtrain.train.args.handover import engine_arguments
 
     given = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, num_generations=2,
                            per_device_train_batch_size=4)
