@@ -205,3 +205,9 @@ def test_merge_refuses_a_corrupt_shard_or_a_file_as_output_in_one_line(saved, tm
     assert error_lines(proc.stderr) == [f"error: output path {target} is a file, not a directory; choose a new "
                                         f"directory (nothing was written)"], proc.stderr
     assert target.read_text() == "not a directory"
+    under = target / "merged" / "final"  # an output path below a regular file: one line, not NotADirectoryError
+    proc = _merge_cli(str(root / "llama" / "checkpoint-2"), str(under))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert error_lines(proc.stderr) == [f"error: output directory {under} cannot be created: {target} is a file, not "
+                                        f"a directory; choose another directory (nothing was written)"], proc.stderr
+    assert target.read_text() == "not a directory"
