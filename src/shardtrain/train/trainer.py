@@ -11,11 +11,11 @@ Callbacks are transformers' (`TrainerCallback`, `TrainerState`, `TrainerControl`
 The class is Hugging Face's surface: its constructor, attributes, public methods and override points with Hugging
 Face's signatures, each handing the work to a part with one job: `Runtime` (processes, meshes, device; from the
 `RunSpec` resolved once), `ModelPreparation` (adapters, parallelism, weights, batches to model inputs),
-`TrainingData` (which samples each rank draws at each step), `OptimizerStep` (the exact global-token step),
-`EvalLoop` (evaluation and prediction), `CheckpointManager`, `ModelExport`, `MetricsLogger`, `LossWindow` and
-`BestMetric`; when to log, evaluate and save is Hugging Face's `DefaultFlowCallback`. It is one class, not cut
-into mixins, so that a subclass (a user's, TRL's) meets each of Hugging Face's methods in one place; that makes
-this file longer than the others.
+`TrainingData` (which samples each rank draws at each step), `TrainingRun` (the loop), `Resume`, `OptimizerStep`
+(the exact global-token step), `LossUnits`, `EvalLoop` (evaluation and prediction), `CheckpointManager`,
+`ModelExport`, `MetricsLogger`; the parts call back through `train/hooks.py`. When to log, evaluate and save is
+Hugging Face's `DefaultFlowCallback`. It is one class, not cut into mixins, so that a subclass (a user's, TRL's)
+meets each of Hugging Face's methods in one place. See docs/architecture.md for the step, part by part.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from shardtrain.parallel.runtime import Runtime
 from shardtrain.train import verify
 from shardtrain.train.args.checks import check_compute_metrics
 from shardtrain.train.args.handover import engine_arguments
-from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides
+from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides, set_hf_attributes
 from shardtrain.train.args.preflight import DatasetChecks, check_output_dir, check_training_inputs, resolve_resume
 from shardtrain.train.arguments import (
     TrainingArguments,
@@ -171,6 +171,12 @@ class Trainer(transformers.Trainer):
                 f"is replaced by {REPLACED[name]}); remove the override, or move its work to a method the engine "
                 "calls (see the methods table in docs/hugging-face.md)")
 
+    # the runtime's facts, read from it (never copied): backend, dims, meshes, cp, rank, world_size, device and
+    # dp_rank (which samples this rank sees); libraries and scripts read them on the Trainer
+    backend, dims, meshes, cp, rank, world_size, device, dp_rank = (
+        property(lambda self, _name=name: getattr(self.runtime, _name), doc=f"`self.runtime.{name}`")
+        for name in ("backend", "dims", "meshes", "cp", "rank", "world_size", "device", "dp_rank"))
+
     def _overrides(self, name: str) -> bool:
         """Whether a subclass (a user's, a library's) defines `name` over shardtrain's and transformers'."""
         return owner(type(self), name) not in (Trainer, transformers.Trainer)
@@ -203,9 +209,6 @@ class Trainer(transformers.Trainer):
         self.auto_layout = layout_choice.before_start(spec, args, model, train_dataset)
         self.runtime = runtime = Runtime.start(spec, model, chooser=self.auto_layout)
         self.spec = spec = runtime.spec
-        self.backend, self.dims, self.meshes, self.cp = runtime.backend, runtime.dims, runtime.meshes, runtime.cp
-        self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
-        self.dp_rank = runtime.dp_rank  # which samples this rank sees
         self.preparation = ModelPreparation(runtime)
         check_output_dir(args.output_dir)
         set_seed(args.seed)
@@ -261,31 +264,9 @@ class Trainer(transformers.Trainer):
         self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
-        self._set_hf_attributes()
+        set_hf_attributes(self)
         self._fire("on_init_end")
         self._memory_tracker.stop_and_update_metrics()
-
-    def _set_hf_attributes(self) -> None:
-        """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
-        args = self.args
-        self.is_in_train = False
-        self.hp_name = self.hp_search_backend = self.deepspeed = self.label_smoother = None
-        self._trial = None  # the hyperparameter_search trial train() runs (Hugging Face's _hp_search_setup sets it)
-        self.place_model_on_device = self.is_deepspeed_enabled = self.is_fsdp_xla_enabled = False
-        self.is_fsdp_xla_v1_enabled = self.is_fsdp_xla_v2_enabled = False
-        self.is_distributed_loading_by_transformers = False
-        self.hub_model_id = None  # Hugging Face sets it in init_hf_repo (push_to_hub); TRL's model card reads it
-        self.is_model_parallel = False
-        # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
-        # whether shardtrain's FSDP2 does), so libraries do not hand their extra models to Accelerate's FSDP
-        self.is_fsdp_enabled = False
-        self.label_names = list(args.label_names) if args.label_names else ["labels"]
-        self.can_return_loss = False
-        self.neftune_noise_alpha = args.neftune_noise_alpha
-        self.current_flos = 0
-        self._train_batch_size = args.train_batch_size
-        self._created_lr_scheduler = False
-        self.model_accepts_loss_kwargs = False  # the token sum is computed here, not by the model
 
     # -- the model ----------------------------------------------------------------------------------------
     def _install_model(self, model: nn.Module | str) -> None:

@@ -16,6 +16,7 @@ Every method of the installed `transformers.Trainer` is in exactly one of these 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import transformers
 
@@ -155,3 +156,26 @@ def methods_table(ours: set[str]) -> str:
              "|---|---|---|"]
     lines += [f"| `{name}` | {status} | {note} |" for name, status, note in methods_rows(ours)]
     return "\n".join(lines) + "\n"
+
+
+def set_hf_attributes(trainer: Any) -> None:
+    """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
+    args = trainer.args
+    trainer.is_in_train = False
+    trainer.hp_name = trainer.hp_search_backend = trainer.deepspeed = trainer.label_smoother = None
+    trainer._trial = None  # the hyperparameter_search trial train() runs (Hugging Face's _hp_search_setup sets it)
+    trainer.place_model_on_device = trainer.is_deepspeed_enabled = trainer.is_fsdp_xla_enabled = False
+    trainer.is_fsdp_xla_v1_enabled = trainer.is_fsdp_xla_v2_enabled = False
+    trainer.is_distributed_loading_by_transformers = False
+    trainer.hub_model_id = None  # Hugging Face sets it in init_hf_repo (push_to_hub); TRL's model card reads it
+    trainer.is_model_parallel = False
+    # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
+    # whether shardtrain's FSDP2 does), so libraries do not hand their extra models to Accelerate's FSDP
+    trainer.is_fsdp_enabled = False
+    trainer.label_names = list(args.label_names) if args.label_names else ["labels"]
+    trainer.can_return_loss = False
+    trainer.neftune_noise_alpha = args.neftune_noise_alpha
+    trainer.current_flos = 0
+    trainer._train_batch_size = args.train_batch_size
+    trainer._created_lr_scheduler = False
+    trainer.model_accepts_loss_kwargs = False  # the token sum is computed here, not by the model
