@@ -57,6 +57,10 @@ class ParallelDimsError(UserError, ValueError):
     """Parallel sizes that do not fit the ranks; the message names the sizes and a fix."""
 
 
+class PipelineError(UserError, ValueError):
+    """A pipeline-parallel setting or model that cannot be split into stages."""
+
+
 class ExpertParallelError(UserError, ValueError):
     """A model or size expert parallelism cannot run; the message names it and the fix."""
 

@@ -46,13 +46,22 @@ def tied_parameter_ids(model: nn.Module) -> set[int]:
     return {pid for pid, count in ids.items() if count > 1}
 
 
+# set on the input embedding and output head of a model whose tied embeddings a pipeline split over two stages
+TIED_ACROSS_STAGES = "_shardtrain_tied_across_stages"
+
+
 def tied_embedding_modules(model: nn.Module) -> set[str]:
-    """Module names of the input embedding and the output head when they share their weight (else empty)."""
+    """Module names of the input embedding and the output head when they share their weight (also when a pipeline
+    keeps them on different stages, their gradients summed), else empty."""
+    across = {name for name, module in model.named_modules() if getattr(module, TIED_ACROSS_STAGES, False)}
+    if across:
+        return across
     get_out, get_in = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
     if not callable(get_out) or not callable(get_in):
         return set()
     head, embed = get_out(), get_in()
-    if head is None or embed is None or head.weight is not embed.weight:
+    weight = getattr(head, "weight", None)
+    if weight is None or weight is not getattr(embed, "weight", None):
         return set()
     return {name for name, module in model.named_modules() if module is head or module is embed}
 

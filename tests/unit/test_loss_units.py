@@ -7,8 +7,8 @@ from shardtrain.train.step.loss_units import LossUnits
 
 
 def test_the_factor_counts_the_ranks_with_distinct_data():
-    assert LossUnits.of(world_size=8, tp=2, average_tokens_across_devices=True).scale == 4
-    assert LossUnits.of(world_size=8, tp=2, average_tokens_across_devices=False).scale == 1
+    assert LossUnits.of(world_size=8, copies=2, average_tokens_across_devices=True).scale == 4
+    assert LossUnits.of(world_size=8, copies=2, average_tokens_across_devices=False).scale == 1
 
 
 def test_a_token_sum_goes_to_hugging_faces_units_and_back():

@@ -57,6 +57,8 @@ from shardtrain.checkpoint.full import (
     tensor_nbytes,
     write_config,
 )
+from shardtrain.parallel import collectives
+from shardtrain.parallel.pipeline import published_aliases
 from shardtrain.parallel.states import tied_aliases
 
 STAGING_DIR = ".shardtrain-save"  # inside the output directory: same filesystem, so the final moves are renames
@@ -70,6 +72,8 @@ def sharded_state(model: nn.Module) -> dict[str, torch.Tensor]:
     Keys are those of `full_model_state` (same `get_model_state_dict` naming), i.e. what `save_pretrained` writes.
     """
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    for published, own in published_aliases(model).items():  # a pipeline's last stage: its tied head
+        state[published] = state.pop(own)
     for alias in tied_aliases(model):
         state.pop(alias, None)
     return state
@@ -152,7 +156,10 @@ def save_sharded_pretrained(model: nn.Module, out: Path, config: dict[str, Any] 
         The names of the files written into `out`.
     """
     state = sharded_state(model) if state is None else state
-    sizes = {key: tensor_nbytes(tensor) for key, tensor in state.items()}
+    sizes: dict[str, int] = {}  # every rank's keys (a pipeline's stages hold different ones), in rank order
+    for part in collectives.gather_objects({key: tensor_nbytes(tensor) for key, tensor in state.items()},
+                                           group=process_group):
+        sizes.update(part)
     weight_map = plan_weight_files(sizes, max_shard_bytes)
     names = sorted(set(weight_map.values()))
     # the consolidation names output file i "model-0000i-of-0000n"; a single one is published as model.safetensors

@@ -70,7 +70,7 @@ from shardtrain.checkpoint.safe_load import dcp_load, read_dcp_metadata
 from shardtrain.errors import CheckpointError
 from shardtrain.parallel import collectives
 from shardtrain.parallel.distributed import barrier
-from shardtrain.parallel.states import TorchStates, clean_name
+from shardtrain.parallel.states import TorchStates, clean_name, whole_model_keys
 
 
 @dataclass
@@ -429,7 +429,7 @@ class CheckpointManager:
             if tuple(got) != shape and key in parameters:
                 raise CheckpointError(f"checkpoint {path} does not match the model: key {key!r} has shape "
                                       f"{tuple(got)} in the checkpoint but {shape} in the model")
-        extra = sorted(set(saved) - set(expected))
+        extra = sorted(set(saved) - whole_model_keys(self.model, set(expected)))
         if extra:
             raise CheckpointError(f"checkpoint {path} does not match the model: unexpected key {extra[0]!r}")
 

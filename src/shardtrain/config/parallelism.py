@@ -2,8 +2,8 @@
 hands them to the ranks (one JSON variable, `SHARDTRAIN_PARALLELISM`).
 
 Keys (with or without Accelerate's `parallelism_config_` prefix): `dp_replicate_size`, `dp_shard_size`,
-`cp_size`, `tp_size`, `ep_size` (ints >= 1, unset: decided by `ParallelDims.resolve`), `sp_size` (Ulysses; only
-1), `cp_comm_strategy` (only "allgather": keys and values are gathered over the cp ranks). From an
+`cp_size`, `tp_size`, `ep_size`, `pp_size` (ints >= 1, unset: decided by `ParallelDims.resolve`), `sp_size`
+(Ulysses; only 1), `cp_comm_strategy` (only "allgather": keys and values are gathered over the cp ranks). From an
 `accelerate.ParallelismConfig` object, sizes of 1 (its default for every size not given) count as unset.
 Accelerate keys with no effect here (`cp_backend`, `sp_backend`, `sp_seq_length`, ...) are accepted and
 reported as ignored.
@@ -19,7 +19,7 @@ from shardtrain.config import env
 from shardtrain.config.values import as_int, closest
 from shardtrain.errors import ParallelismError
 
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size")
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size", "ep_size", "pp_size")
 CP_COMM_STRATEGIES = ("allgather",)
 IGNORED_KEYS = frozenset("cp_backend sp_backend sp_seq_length sp_seq_length_is_variable sp_attn_implementation "
                          "cp_handler sp_handler".split())

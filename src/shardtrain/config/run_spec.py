@@ -41,6 +41,8 @@ class RunSpec:
         cp_regather_kv: context parallel: all-gather K/V again in backward instead of keeping them.
         save_async: checkpoints written in the background.
         seed: the run's seed (the XLA runtime's RNG).
+        pp_schedule, pp_microbatches: the pipeline's schedule (a name of `parallel.pipeline.SCHEDULES`) and the
+            microbatches each micro-batch is split into (None: as many as the pipeline has stages).
         loss_chunk_size: tokens per chunk of the LM head and its cross entropy, "auto", or None (off); an
             automatic layout may choose it (`parallel.layout_choice`).
     """
@@ -60,6 +62,8 @@ class RunSpec:
     save_async: bool = False
     seed: int = 42
     loss_chunk_size: int | str | None = None
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -92,7 +96,7 @@ class RunSpec:
             mixed_precision=args.mixed_precision, tp_plan=_frozen(args.tp_plan),
             compile_options=_frozen(compile_options), gradient_checkpointing=_frozen(checkpointing),
             cp_regather_kv=args.cp_regather_kv, save_async=args.save_async, seed=args.seed,
-            loss_chunk_size=args.loss_chunk_size)
+            loss_chunk_size=args.loss_chunk_size, pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
 
 
 def _frozen(mapping: Mapping | None) -> Mapping | None:

@@ -127,8 +127,8 @@ def output_unit(model: nn.Module, units: list[nn.Module], tied: set[int], config
         return []
     get_out = getattr(model, "get_output_embeddings", None)
     head = get_out() if callable(get_out) else None
-    if head is None or _contains_tied(head, tied) or any(head is u for u in units):
-        return []
+    if head is None or not _numel([head]) or _contains_tied(head, tied) or any(head is u for u in units):
+        return []  # (a pipeline stage without the head holds a parameterless stand-in)
     modules = [head]
     base = getattr(model, "base_model", None)
     if isinstance(base, nn.Module) and base is not model:
@@ -217,6 +217,37 @@ def apply_compile(model: nn.Module, units: list[nn.Module], compile_options: dic
         unit.compile(**compile_options)
 
 
+def _policies(config: FSDPConfig, mesh: DeviceMesh, mixed_precision: str | None) -> dict[str, Any]:
+    """`fully_shard`'s mesh, mixed-precision and offload arguments for `config`."""
+    precision = mixed_precision or config.mixed_precision
+    mp_policy = MixedPrecisionPolicy()
+    if precision in _DTYPES:
+        mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if config.cpu_offload \
+        else OffloadPolicy()
+    return {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
+
+
+def _gloo_reductions(model: nn.Module) -> None:
+    """gloo has no AVG/PREMUL_SUM: reduce with SUM and divide afterwards; and its reduce-scatter is 2-3x slower than
+    an all-to-all and a sum (parallel/gloo_comms.py)."""
+    if dist.get_backend() != "gloo":
+        return
+    custom = AllToAllReduceScatter() if gloo_reduce_scatter_choice() == "all_to_all" else None
+    for module in fsdp_modules(model):
+        module.set_force_sum_reduction_for_comms(True)
+        if custom is not None:
+            module.set_custom_reduce_scatter(custom)
+
+
+def shard_stage_root(root: nn.Module, fsdp_config: FSDPConfig, mesh: DeviceMesh, *,
+                     mixed_precision: str | None = None) -> None:
+    """`fully_shard` a pipeline stage's module (no parameters of its own, the sharded model inside) as the stage's
+    FSDP root, with the model's policies: the pipeline schedule then reduces the gradients once per step."""
+    fully_shard(root, **_policies(fsdp_config, mesh, mixed_precision))
+    _gloo_reductions(root)
+
+
 def apply_fsdp(
     model: nn.Module,
     fsdp_config: FSDPConfig | None = None,
@@ -260,13 +291,7 @@ def apply_fsdp(
         dims = ParallelDims.resolve(world_size=dist.get_world_size(), fsdp_config=config,
                                     local_world_size=int(os.environ.get(env.LOCAL_WORLD_SIZE, dist.get_world_size())))
         mesh = dims.build(current_device().type).fsdp
-    precision = mixed_precision or config.mixed_precision
-    mp_policy = MixedPrecisionPolicy()
-    if precision in _DTYPES:
-        mp_policy = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if config.cpu_offload \
-        else OffloadPolicy()
-    common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    common = _policies(config, mesh, mixed_precision)
 
     if units is None:  # one call does every stage (the sharded loader, a user's script)
         units, head = fsdp_units(model, config)
@@ -297,14 +322,7 @@ def apply_fsdp(
     if config.forward_prefetch:
         set_explicit_prefetch(model, [*units, *head[:1]])  # a head of norm + lm_head is one unit (one state)
 
-    if dist.get_backend() == "gloo":
-        # gloo has no AVG/PREMUL_SUM: reduce with SUM and divide afterwards; and its reduce-scatter is 2-3x slower
-        # than an all-to-all and a sum (parallel/gloo_comms.py)
-        custom = AllToAllReduceScatter() if gloo_reduce_scatter_choice() == "all_to_all" else None
-        for module in fsdp_modules(model):
-            module.set_force_sum_reduction_for_comms(True)
-            if custom is not None:
-                module.set_custom_reduce_scatter(custom)
+    _gloo_reductions(model)
     if callable(getattr(model, "generate", None)):
         register_fsdp_forward_method(model, "generate")
         for module in model.modules():  # a PEFT model's generate calls its base model's

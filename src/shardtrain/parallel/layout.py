@@ -1,6 +1,6 @@
-"""A model's parallel layout, applied from outside in one place, stage by stage in torchtitan's order: context
-parallelism (its attention), tensor parallel, expert parallel, then on the wrap policy's units activation
-checkpointing, compile and FSDP (a pipeline split will come before them).
+"""A model's parallel layout, applied from outside in one place, stage by stage in torchtitan's order: the
+pipeline split (this rank's stage of the model), context parallelism (its attention), tensor parallel, expert
+parallel, then on the wrap policy's units activation checkpointing, compile and FSDP.
 The Trainer (through its backend), the sharded loader (`load_pretrained(parallelize=...)`) and `shardtrain plan`
 all call `apply_layout`, so what is planned is what runs.
 
@@ -20,6 +20,7 @@ from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, fsdp_units
+from shardtrain.parallel.pipeline import PipelineSettings, split_model
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 
@@ -36,6 +37,7 @@ class Layout:
         compile_options: `torch.compile` options per FSDP unit, or None (eager).
         ep_implementation: transformers' `EPImplementationInterface` entry for the experts' token exchange.
         cp: context parallelism, or None.
+        pipeline: the pipeline's schedule and microbatches (used when `dims.pp` > 1).
     """
 
     meshes: Meshes
@@ -46,12 +48,15 @@ class Layout:
     compile_options: dict[str, Any] | None = None
     ep_implementation: str = "all_to_all"
     cp: ContextParallel | None = None
+    pipeline: PipelineSettings = PipelineSettings()
 
 
 def apply_layout(model: nn.Module, layout: Layout) -> nn.Module:
     """Every stage, in torchtitan's order, in place, on the model's device (or the meta device); returns `model`.
     Each stage is one call that the settings switch (a size of 1, `ac_mode` "none", no compile options)."""
     meshes, dims = layout.meshes, layout.dims
+    if dims.pp > 1:  # this rank's stage: the other stages' modules are skipped (`pipeline.split_model`)
+        split_model(model, stage=meshes.pp.get_local_rank(), stages=dims.pp)
     if layout.cp is not None:  # context parallelism: the attention of each sequence part
         layout.cp.enable(model)
     if dims.tp > 1:

@@ -18,6 +18,7 @@ from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.layout import Layout
 from shardtrain.parallel.layout_choice import LayoutChooser
+from shardtrain.parallel.pipeline import PipelineSettings, check_settings
 
 
 def make_backend(spec: RunSpec) -> TrainingBackend:
@@ -57,7 +58,8 @@ class Runtime:
         """The run's parallel layout, as its description (`RunSpec`) says: what `apply_layout` applies."""
         spec = self.spec
         return Layout(meshes=self.meshes, dims=self.dims, fsdp=spec.fsdp, tp_plan=spec.tp_plan,
-                      mixed_precision=spec.mixed_precision, compile_options=spec.compile_options, cp=self.cp)
+                      mixed_precision=spec.mixed_precision, compile_options=spec.compile_options, cp=self.cp,
+                      pipeline=PipelineSettings(schedule=spec.pp_schedule, microbatches=spec.pp_microbatches))
 
     @classmethod
     def start(cls, spec: RunSpec, model: Any = None, chooser: LayoutChooser | None = None) -> Runtime:
@@ -70,6 +72,9 @@ class Runtime:
             spec = chooser.agree(spec, backend)
         dims = ParallelDims.resolve(world_size=backend.world_size, fsdp_config=spec.fsdp,
                                     local_world_size=spec.local_world_size or backend.world_size, **spec.sizes)
+        if dims.pp > 1:  # before the meshes: a schedule that cannot run is one line on every rank
+            check_settings(PipelineSettings(schedule=spec.pp_schedule, microbatches=spec.pp_microbatches),
+                           stages=dims.pp)
         meshes = dims.build(backend.host_device_type)
         backend.check(model, dims)
         cp = ContextParallel(meshes.cp, recompute=spec.cp_regather_kv) if dims.cp > 1 else None
@@ -81,4 +86,4 @@ class Runtime:
     def collects_predictions(self) -> bool:
         """Whether this rank contributes predictions: one rank of each group that shares its samples (cp, tp)."""
         coords = self.dims.rank_coords(self.rank)
-        return coords["cp"] == 0 and coords["tp"] == 0
+        return coords["cp"] == 0 and coords["tp"] == 0 and coords["pp"] == self.dims.pp - 1

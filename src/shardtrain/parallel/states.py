@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from shardtrain import model_facts
+from shardtrain.parallel import collectives
+from shardtrain.parallel.pipeline import published_aliases, stage_split
 
 # Prefixes that wrappers add to parameter names: activation checkpointing, torch.compile, torch_xla's SPMD
 # FSDP and its v1 wrapper. Checkpoints use the names without them.
@@ -44,21 +47,60 @@ def clean_name(name: str) -> str:
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """name -> first name of the same parameter, for parameters reachable under several names (names as saved:
-    without the wrappers' prefixes)."""
-    return {clean_name(alias): clean_name(name) for alias, name in model_facts.tied_aliases(model).items()}
+    without the wrappers' prefixes); a pipeline's last stage: its head, when tied to the first stage's embedding."""
+    aliases = {clean_name(alias): clean_name(name) for alias, name in model_facts.tied_aliases(model).items()}
+    split = stage_split(model)
+    if split is not None and split.tied_names is not None:  # the whole model's pair, whichever half this stage holds
+        embedding, head = split.tied_names
+        aliases[head] = embedding
+    return aliases
 
 
 def full_model_state(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The whole model (`trainable_only`: its trainable parameters) gathered on CPU on rank 0 (empty on other
-    ranks); every rank must call it.
+    ranks); every rank must call it. Under a pipeline, each stage's part is gathered on its first rank and sent
+    to rank 0.
 
     A tied weight appears once, under its first name (`from_pretrained` re-ties the others from the config).
     """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+    split = stage_split(model)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=split is None,
                                                                  ignore_frozen_params=trainable_only))
     for alias in tied_aliases(model):
         state.pop(alias, None)
-    return state
+    if split is None:
+        return state
+    rank, per_stage = dist.get_rank(), dist.get_world_size() // split.stages
+    mine = {k: v.detach().cpu() for k, v in state.items()} if rank % per_stage == 0 else {}
+    parts = collectives.gather_objects(mine)  # (in memory, between this run's own ranks)
+    return {k: v for part in parts for k, v in part.items()} if rank == 0 else {}
+
+
+def whole_model_keys(model: nn.Module, keys: set[str]) -> set[str]:
+    """`keys` (this rank's) joined with every pipeline stage's; without a pipeline, `keys` (collective under a
+    pipeline)."""
+    if stage_split(model) is None:
+        return keys
+    return set().union(*collectives.gather_objects(sorted(keys)))
+
+
+def _load_full_by_key(model: nn.Module, full: dict[str, torch.Tensor], trainable_only: bool) -> None:
+    """A pipeline stage's share of a whole model given on rank 0: rank 0 broadcasts one tensor at a time (all
+    ranks, one order), each stage keeps the keys it holds and loads them into its shards."""
+    wanted = set(get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only)))
+    wanted |= {published for published, own in published_aliases(model).items() if own in wanted}
+    own = {published: name for published, name in published_aliases(model).items()}
+    specs = [(k, tuple(v.shape), v.dtype) for k, v in sorted(full.items())] if dist.get_rank() == 0 else None
+    specs = collectives.gather_objects(specs)[0]
+    device = next(model.parameters()).device
+    mine: dict[str, torch.Tensor] = {}
+    for key, shape, dtype in specs:
+        tensor = full[key].to(device) if dist.get_rank() == 0 else torch.empty(shape, dtype=dtype, device=device)
+        collectives.broadcast(tensor, src=0)
+        if key in wanted:
+            mine[own.get(key, key)] = tensor
+    set_model_state_dict(model, mine, options=StateDictOptions(full_state_dict=True, strict=False,
+                                                               ignore_frozen_params=trainable_only))
 
 
 class TorchStates:
@@ -75,18 +117,50 @@ class TorchStates:
         self.model, self.optimizer, self.trainable_only = model, optimizer, trainable_only
         self._options = StateDictOptions(ignore_frozen_params=trainable_only)
         self._load_options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+        self._published = published_aliases(model)  # checkpoint name -> own name (a pipeline's tied head)
 
     def model_state(self) -> dict[str, Any]:
-        """This rank's part of the model, keyed by parameter name (DTensors under FSDP2)."""
-        return get_model_state_dict(self.model, options=self._options)
+        """This rank's part of the model, keyed by parameter name (DTensors under FSDP2); a pipeline stage's
+        half of tied embeddings also under the embedding's name (`pipeline.published_aliases`)."""
+        state = get_model_state_dict(self.model, options=self._options)
+        for published, own in self._published.items():
+            if own in state:
+                state[published] = state[own]
+        return state
 
     def optimizer_state(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        """The optimizer's state by parameter name; a pipeline stage's half of tied embeddings under the
+        embedding's name."""
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        self._own_groups = [list(group["params"]) for group in state["param_groups"]]
+        renamed = {own: published for published, own in self._published.items()}
+        if renamed:
+            state["state"] = {renamed.get(k, k): v for k, v in state["state"].items()}
+            for group in state["param_groups"]:
+                group["params"] = [renamed.get(k, k) for k in group["params"]]
+        return state
 
     def load_model_state(self, state: dict[str, Any]) -> None:
+        for published, own in self._published.items():
+            value = state.pop(published, None)  # (the same tensor as its own name's, or the one to load)
+            if own not in state and value is not None:
+                state[own] = value
+        if stage_split(self.model) is not None:  # the whole model's tied names this stage does not hold
+            local = {clean_name(name) for name, _ in self.model.named_parameters()}
+            for alias in tied_aliases(self.model):
+                if alias not in local:
+                    state.pop(alias, None)
         set_model_state_dict(self.model, state, options=self._load_options)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Load an `optimizer_state()` that a checkpoint filled. The groups' hyperparameters are the checkpoint's,
+        their parameter lists this optimizer's own: a checkpoint written by pipeline stages holds one stage's
+        lists (each stage's parameters differ; the hyperparameters do not)."""
+        own = getattr(self, "_own_groups", None)
+        if own is not None and len(own) == len(state["param_groups"]):
+            for group, names in zip(state["param_groups"], own, strict=True):
+                group["params"] = names
+        state["state"] = {self._published.get(k, k): v for k, v in state["state"].items()}
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
     def load_full_optimizer_state(self, full: dict[str, Any]) -> None:
@@ -101,6 +175,9 @@ class TorchStates:
         """Load the whole model given on rank 0 (empty elsewhere) into every rank's shards; collective. A model
         that is not sharded (one plain process) loads through its own `load_state_dict`, as Hugging Face loads it,
         so a model that overrides it (to resize a buffer, say) is honoured."""
+        if stage_split(self.model) is not None:
+            _load_full_by_key(self.model, full, self.trainable_only)
+            return
         if not any(isinstance(p, DTensor) for p in self.model.parameters()) and full:
             self.model.load_state_dict(full, strict=False)  # tied aliases are absent: one parameter, loaded once
             return

@@ -124,6 +124,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = N
     tied = tied_embedding_modules(model)
     chosen: dict[str, Any] = {}
     names = [name for name, _ in model.named_modules()]
+    # another pipeline stage's modules (`pipeline.Skipped`): matched by the plan, left alone
+    skipped = {name for name, module in model.named_modules() if getattr(module, "pipeline_skipped", False)}
     for pattern, style_name in plan.items():
         style = _style(style_name)
         if style is None and style_name in EXPERT_STYLES and not strict:
@@ -139,7 +141,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = N
             raise TensorParallelError(f"tensor-parallel plan entry {pattern!r} matches no module of "
                                       f"{type(model).__name__}; module names look like {names[1:4]}")
         for name in found:
-            if name in tied:
+            if name in tied or name in skipped:
                 continue  # one weight in two modules: left replicated
             chosen[name] = (style, style_name)
     parallelize_module(model, mesh, {name: style for name, (style, _) in chosen.items()})

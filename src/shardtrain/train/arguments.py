@@ -105,6 +105,11 @@ class TrainingArguments(transformers.TrainingArguments):
     tp_size: int | None = _help("tensor-parallel size (the model's own TP plan)")
     tp_plan: dict | None = _help("module-name pattern -> transformers TP style; default: the model's plan")
     ep_size: int | None = _help("expert-parallel size (MoE experts spread over ep ranks)")
+    pp_size: int | None = _help("pipeline-parallel size (the model's layers split into pp stages)")
+    pp_schedule: str = field(default="1F1B", metadata={"help": "pipeline schedule: GPipe, 1F1B, Interleaved1F1B, "
+                                                                 "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
+                                                                 "DualPipeV"})
+    pp_microbatches: int | None = _help("pipeline microbatches per micro-batch (default: the stages in flight)")
     save_async: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
     loss_chunk_size: int | str | None = _help("tokens per chunk of LM head + cross entropy; 'auto'; None: off")
     pack_sequences: bool = field(default=False, metadata={"help": "pack each training micro-batch into one row "
@@ -232,8 +237,8 @@ class TrainingArguments(transformers.TrainingArguments):
 
     # -- validation --------------------------------------------------------------------------------------
     def _resolve_parallelism(self) -> None:
-        """`parallel_sizes` from, key by key: `cp_size`/`tp_size`/`ep_size` or `parallelism_config` (the script),
-        else the launcher's SHARDTRAIN_PARALLELISM; the script wins. Unset sizes are left to ParallelDims."""
+        """`parallel_sizes` from, key by key: `cp_size`/`tp_size`/`ep_size`/`pp_size` or `parallelism_config` (the
+        script), else the launcher's SHARDTRAIN_PARALLELISM; the script wins. Unset sizes are left to ParallelDims."""
         from shardtrain.config.parallelism import from_env, read_parallelism
         from shardtrain.errors import ParallelismError
 
@@ -242,7 +247,7 @@ class TrainingArguments(transformers.TrainingArguments):
             launcher = from_env()
         except ParallelismError as err:
             raise TrainingArgumentsError(str(err)) from err
-        for name in ("cp_size", "tp_size", "ep_size"):
+        for name in ("cp_size", "tp_size", "ep_size", "pp_size"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -252,7 +257,7 @@ class TrainingArguments(transformers.TrainingArguments):
                 fail(name, f"= {value} but parallelism_config.{name} = {script[name]}; set only one of them")
             script[name] = value
         self.parallel_sizes = {**launcher, **script}
-        for name in ("cp_size", "tp_size", "ep_size"):
+        for name in ("cp_size", "tp_size", "ep_size", "pp_size"):
             setattr(self, name, self.parallel_sizes.get(name, 1))
 
     def _resolve_fsdp(self) -> None:

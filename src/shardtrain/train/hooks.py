@@ -21,6 +21,7 @@ from transformers import TrainerControl
 
 from shardtrain.checkpoint.hf_files import saved_processor
 from shardtrain.checkpoint.layout import PREFIX
+from shardtrain.errors import TrainingArgumentsError
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data.training_data import Plan, TrainingData
 from shardtrain.train.eval.generation import eval_generator
@@ -188,6 +189,11 @@ def trainer_eval_loop(trainer: Any, description: str, ignore_keys: list[str] | N
             if isinstance(logits, list):
                 logits = tuple(logits)
             return loss, (logits or None) if isinstance(logits, tuple) else logits, labels
+    if user_step is not None and trainer.pipeline is not None:
+        raise TrainingArgumentsError(
+            f"pp_size = {trainer.dims.pp} with an overridden prediction_step / compute_loss: evaluation under a "
+            "pipeline runs the stages' forward and the token loss on the last stage; use the default ones, or "
+            "pp_size 1")
     generate = None
     if args.predict_with_generate and user_step is None:
         generate = eval_generator(trainer.model, causal_lm=trainer.loss_computer.shift_labels,
@@ -204,4 +210,5 @@ def trainer_eval_loop(trainer: Any, description: str, ignore_keys: list[str] | N
                     keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
                     inputs_key=getattr(trainer.model, "main_input_name", "input_ids")
                     if "inputs" in (args.include_for_metrics or []) else None,
-                    label_names=tuple(trainer.label_names), drop_last=args.dataloader_drop_last)
+                    label_names=tuple(trainer.label_names), drop_last=args.dataloader_drop_last,
+                    pipeline=trainer.pipeline)

@@ -71,7 +71,13 @@ from shardtrain.train import verify
 from shardtrain.train.args.checks import check_compute_metrics
 from shardtrain.train.args.handover import engine_arguments
 from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides, set_hf_attributes
-from shardtrain.train.args.preflight import DatasetChecks, check_output_dir, check_training_inputs, resolve_resume
+from shardtrain.train.args.preflight import (
+    DatasetChecks,
+    check_output_dir,
+    check_pipeline_inputs,
+    check_training_inputs,
+    resolve_resume,
+)
 from shardtrain.train.arguments import (
     TrainingArguments,
     take_accumulation_from_accelerator_config,
@@ -94,7 +100,7 @@ from shardtrain.train.model.lora import adapter_files
 from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step.guard import GuardedRun
-from shardtrain.train.step.loss import LossComputer
+from shardtrain.train.step.loss import LABEL_KEYS, LossComputer
 from shardtrain.train.step.loss_units import LossUnits
 from shardtrain.train.step.optim import (
     build_optimizer,
@@ -280,6 +286,7 @@ class Trainer(transformers.Trainer):
             if self._overrides("_save") and isinstance(model, nn.Module) else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
+        self.pipeline = self.preparation.pipeline(self.model)  # this rank's stage and schedule (pp > 1)
         self.loss_computer = LossComputer.for_run(self.model, self.device, args, chunk=self.spec.loss_chunk_size,
                                                   tensor_parallel=self.dims.tp > 1)
         self.router_loss = RouterLoss(self.model, self.meshes.loss.get_group())
@@ -337,6 +344,9 @@ class Trainer(transformers.Trainer):
         self.backend.prepare_forward(self.model)  # after a library's own patches, as Accelerate's prepare
         check_training_inputs(args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
                               cp_size=self.dims.cp, custom_loss=self._custom_loss)
+        if self.pipeline is not None:
+            check_pipeline_inputs(args, stages=self.dims.pp, custom_loss=self._custom_loss,
+                                  loss_kind=self.loss_computer.kind, per_sample=self._loss_per_sample)
         self._check_datasets()
         resume = Resume.read(resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                             else args.resume_from_checkpoint, output_dir=args.output_dir,
@@ -371,7 +381,7 @@ class Trainer(transformers.Trainer):
         self._engine_step = OptimizerStep(model=self.model, dims=self.dims, device=self.device,
                                           all_reduce=self.backend.all_reduce, max_grad_norm=args.max_grad_norm,
                                           sharded=self.backend.is_sharded(self.model), loss=self.loss_computer,
-                                          preemption=self.preemption,
+                                          preemption=self.preemption, pipeline=self.pipeline,
                                           guard=self._guarded.guard if self._guarded is not None else None)
         start_step, start_time = self.state.global_step, time.time()
         window = LossWindow(self.backend.all_reduce, group=self.meshes.loss.get_group(),
@@ -489,6 +499,9 @@ class Trainer(transformers.Trainer):
         by_samples = self._loss_per_sample
         if num_items_in_batch is None:  # called on its own: this micro-batch's tokens (or samples)
             num_items_in_batch = self.loss_computer.items(inputs, by_samples=by_samples)
+        if self.pipeline is not None:  # forward and backward over the stages: the schedule runs both
+            micro_sum = self._pipeline_micro_batch(inputs, num_items_in_batch)
+            return self.loss_units.from_sum(micro_sum, num_items_in_batch)
         if by_samples:  # a mean over this micro-batch, weighted by its samples (placeholders: 0)
             loss = self.compute_loss(model, inputs)
             micro_sum = loss * self.loss_computer.items(inputs, by_samples=True)
@@ -507,6 +520,17 @@ class Trainer(transformers.Trainer):
         (micro_sum * scale).backward()
         # Hugging Face's return: this micro-batch's share of the step loss, in its units
         return self.loss_units.from_sum(micro_sum.detach(), num_items_in_batch)
+
+    def _pipeline_micro_batch(self, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
+        """One micro-batch through the pipeline's schedule (forward and backward, the token cross entropy); its loss
+        sum on the last stage, 0 on the others. A placeholder weighs 0."""
+        computer = self.loss_computer
+        micro = computer.current
+        weight = 0.0 if computer.placeholder else 1.0
+        scale = micro.grad_scale if micro is not None else 1 / num_items_in_batch
+        batch = {k: v for k, v in inputs.items() if k not in LABEL_KEYS}
+        return self.pipeline.train(batch, computer.targets(inputs), grad_scale=scale * weight,
+                                   label_smoothing=computer.label_smoothing) * weight
 
     def _library_training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         """Hugging Face's `training_step` on a batch only the library reads: its `_prepare_inputs` makes the model
@@ -568,7 +592,7 @@ class Trainer(transformers.Trainer):
     def loss_units(self) -> LossUnits:
         """The conversions between the engine's token sums and Hugging Face's loss units (`step/loss_units.py`;
         `average_tokens_across_devices` may change between hyperparameter trials)."""
-        return LossUnits.of(world_size=self.world_size, tp=self.dims.tp,
+        return LossUnits.of(world_size=self.world_size, copies=self.dims.data_copies,
                             average_tokens_across_devices=self.args.average_tokens_across_devices)
 
     @property

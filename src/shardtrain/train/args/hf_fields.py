@@ -107,7 +107,8 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
 
 # Fields that are ours (not Hugging Face's), and what the compatibility table (docs/hugging-face.md) says of some
 # fields.
-OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "save_async",
+OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "pp_size", "pp_schedule",
+              "pp_microbatches", "save_async",
               "loss_chunk_size", "pack_sequences", "step_guard", "predict_with_generate", "generation_max_length",
               "generation_num_beams"}
 FIELD_NOTES = {
@@ -120,6 +121,11 @@ FIELD_NOTES = {
     "tp_plan": "module-name pattern -> transformers style string; default: the model's own plan",
     "ep_size": "expert-parallel size: MoE experts spread over ep ranks (inside dp_shard x cp x tp; see "
                "docs/parallelism.md)",
+    "pp_size": "pipeline-parallel size: the model's layers split into pp stages by its pp plan (torch.distributed."
+               "pipelining; see docs/parallelism.md)",
+    "pp_schedule": "the pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                   "ZBVZeroBubble, DualPipeV",
+    "pp_microbatches": "pipeline microbatches each micro-batch is split into (default: the pipeline's stages)",
     "save_async": "write checkpoints in the background (DCP async save)",
     "loss_chunk_size": "tokens per chunk of LM head + fp32 cross entropy (no full logits); 'auto'; None: off",
     "batch_eval_metrics": "compute_metrics(EvalPrediction, compute_result) after every batch, on the batch "

@@ -87,6 +87,24 @@ def check_training_inputs(args: Any, *, train_dataset: Any, eval_dataset: Any, c
             "which a loss written for whole sequences would get wrong; use the default loss or cp_size 1")
 
 
+def check_pipeline_inputs(args: Any, *, stages: int, custom_loss: bool, loss_kind: str, per_sample: bool) -> None:
+    """What a pipeline (pp_size > 1) trains: the token cross entropy of a causal LM the engine computes on the last
+    stage, from micro-batches that split into `pp_microbatches` microbatches."""
+    from shardtrain.parallel.pipeline import PipelineSettings, check_settings
+
+    check_settings(PipelineSettings(schedule=args.pp_schedule, microbatches=args.pp_microbatches), stages=stages,
+                   per_device_batch=args.per_device_train_batch_size)
+    if custom_loss or per_sample or loss_kind != "token":
+        what = "a custom compute_loss / compute_loss_func" if custom_loss else \
+            "a library's own loss" if per_sample else f"a model trained on its {loss_kind} loss"
+        raise TrainingArgumentsError(
+            f"pp_size = {stages} with {what}: a pipeline computes the token cross entropy on its last stage (causal "
+            "and masked language models, token classifiers); use the default loss, or pp_size 1")
+    if args.predict_with_generate:
+        raise TrainingArgumentsError(f"pp_size = {stages} with predict_with_generate: generation under a pipeline "
+                                     "is not implemented yet; set predict_with_generate False, or pp_size 1")
+
+
 @dataclass(kw_only=True)
 class DatasetChecks:
     """Each dataset checked before it is used (`validate_dataset`: collective, every rank raises together), and

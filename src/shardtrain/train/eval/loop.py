@@ -18,9 +18,10 @@ from shardtrain.parallel import collectives
 from shardtrain.parallel.collectives import over_data_ranks, per_rank
 from shardtrain.parallel.context import SHARD_KWARG
 from shardtrain.parallel.fsdp import reshard_all
+from shardtrain.parallel.pipeline import Pipeline
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.eval.loaders import PendingBatch, ShareLoader
-from shardtrain.train.step.loss import LossComputer, batch_rows
+from shardtrain.train.step.loss import LABEL_KEYS, LossComputer, batch_rows
 from shardtrain.train.step.micro import EVAL_PLACEHOLDER
 
 _NOT_RETURNED = object()  # no prediction_step ran: the batch's own labels are collected
@@ -84,7 +85,8 @@ class EvalLoop:
                  generate: Callable[[dict], tuple[list, list]] | None = None,
                  prediction_step: Callable[[dict, bool], tuple] | None = None, batch_metrics: bool = False,
                  keep_predictions: bool = True, inputs_key: str | None = None,
-                 label_names: tuple[str, ...] = ("labels",), drop_last: bool = False) -> None:
+                 label_names: tuple[str, ...] = ("labels",), drop_last: bool = False,
+                 pipeline: Pipeline | None = None) -> None:
         self.model, self.loss = model, loss
         self.batch_size = per_device_batch_size * runtime.backend.devices_per_process
         self.dp_rank, self.dp_size, self.device = runtime.dp_rank, runtime.dims.batch_size, runtime.device
@@ -106,6 +108,7 @@ class EvalLoop:
         self.label_names = label_names  # several: label_ids is a tuple of arrays, as Hugging Face's
         self.drop_last = drop_last  # dataloader_drop_last: the samples of whole global batches only
         self.rows = 0  # real rows this rank evaluated
+        self.pipeline = pipeline  # pp > 1: forwards run through the stages; the last one holds losses and logits
 
     def evaluate(self, loader: Any, prefix: str, compute_metrics: Callable | None,
                  with_predictions: bool) -> tuple[PredictionOutput, int]:
@@ -211,6 +214,11 @@ class EvalLoop:
                     if loss is not None:
                         totals[0] += loss.double() * real
                         totals[1] += real
+                elif self.pipeline is not None:
+                    loss_sum, logits = self._through_pipeline(inputs, labelled="labels" in batch)
+                    totals[0] += loss_sum.double()
+                    if "labels" in batch and self.pipeline.split.is_last:
+                        totals[1] += self.loss.items(inputs).double()
                 elif "labels" in batch:
                     own = self.loss.uses_model_loss(inputs)
                     if own and 0 < real < len(indices):  # the model's mean loss: over real samples only
@@ -273,6 +281,11 @@ class EvalLoop:
             if not self.keep_predictions:
                 predictions = label_ids = None
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    def _through_pipeline(self, inputs: dict[str, Any], labelled: bool) -> tuple[torch.Tensor, Any]:
+        """(loss sum, logits) of a forward over the pipeline's stages: the last stage's; 0 and None elsewhere."""
+        batch = {k: v for k, v in inputs.items() if k not in LABEL_KEYS}
+        return self.pipeline.evaluate(batch, self.loss.targets(inputs) if labelled else None)
 
     def _batch_metrics(self, preds: list, labels: list, inputs: list, seen: tuple[int, int, int],
                        compute_metrics: Callable, last: bool) -> dict | None:

@@ -4,6 +4,7 @@ batch reaches it (on the device, split over the `cp` ranks). A part of the Train
 
     preparation = ModelPreparation(runtime)       # a parallel.runtime.Runtime
     model, frozen_base = preparation.prepare(model_or_path, peft_config)
+    pipeline = preparation.pipeline(model)        # this rank's pipeline stage and schedule (pp > 1), else None
     inputs = preparation.inputs(batch, loss_computer, with_labels=True)
 """
 
@@ -22,8 +23,10 @@ from shardtrain.errors import PeftError, TrainingArgumentsError
 from shardtrain.parallel import collectives
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
+from shardtrain.parallel.fsdp import shard_stage_root
 from shardtrain.parallel.layout import apply_layout
 from shardtrain.parallel.loading import load_pretrained
+from shardtrain.parallel.pipeline import Pipeline, stage_split
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.model.lora import add_adapters, is_peft_model
 from shardtrain.train.step.loss import LossComputer, is_causal_lm
@@ -83,6 +86,18 @@ class ModelPreparation:
         if spec.gradient_checkpointing is not None and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(spec.gradient_checkpointing))
         return backend.parallelize(model, self.runtime.layout(), adapters=frozen_base is not None), frozen_base
+
+    def pipeline(self, model: nn.Module) -> Pipeline | None:
+        """This rank's stage of the pipeline over `model` (laid out by `prepare`) and its schedule; None without
+        a pipeline (pp 1)."""
+        if self.dims.pp == 1:
+            return None
+        spec = self.runtime.spec
+        layout = self.runtime.layout()
+        return Pipeline.build(model, stage_split(model), pp_mesh=self.meshes.pp, settings=layout.pipeline,
+                              device=self.runtime.device,
+                              shard_root=partial(shard_stage_root, fsdp_config=spec.fsdp, mesh=self.meshes.fsdp,
+                                                 mixed_precision=spec.mixed_precision))
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """A library's frozen extra model (TRL's `ref_model`, ...) sharded like the trained one, on the same

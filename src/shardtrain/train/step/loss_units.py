@@ -7,10 +7,10 @@ loss.
 
 Hugging Face's `compute_loss` returns a micro-batch's share of that loss times a factor: with
 `average_tokens_across_devices` (its default), the ranks with distinct data, since DDP then averages the
-gradients over them (tensor-parallel ranks share their data). `training_step` returns the same share. A
-library's `compute_loss` that applies the factor itself (TRL's) therefore trains exactly here too.
+gradients over them (tensor-parallel ranks and pipeline stages share their data). `training_step` returns the
+same share. A library's `compute_loss` that applies the factor itself (TRL's) therefore trains exactly here too.
 
-    units = LossUnits.of(world_size=4, tp=1, average_tokens_across_devices=True)
+    units = LossUnits.of(world_size=4, copies=1, average_tokens_across_devices=True)
     hf_loss = units.hf(loss_sum / num_items)      # what compute_loss / training_step return
     loss_sum = units.to_sum(hf_loss, num_items)   # back to the engine's unit (backward, logging)
 """
@@ -28,8 +28,9 @@ class LossUnits:
     scale: int = 1
 
     @classmethod
-    def of(cls, *, world_size: int, tp: int, average_tokens_across_devices: bool) -> LossUnits:
-        return cls(world_size // tp if average_tokens_across_devices else 1)
+    def of(cls, *, world_size: int, copies: int, average_tokens_across_devices: bool) -> LossUnits:
+        """`copies`: ranks that read the same samples (tensor-parallel ranks of every pipeline stage)."""
+        return cls(world_size // copies if average_tokens_across_devices else 1)
 
     def hf(self, per_item: Any) -> Any:
         """A loss per item of the global batch (sum / num_items) in Hugging Face's units."""

@@ -87,7 +87,8 @@ def _replication(grad: torch.Tensor, world_size: int) -> int:
 
 
 def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, world_size: int,
-               device: torch.device, carry: torch.Tensor | None = None) -> torch.Tensor:
+               device: torch.device, carry: torch.Tensor | None = None, *, stage_size: int | None = None,
+               uncounted: set[int] = frozenset()) -> torch.Tensor:
     """Clip the gradients (of the step's mean loss) to `max_norm` in one all-reduce; their 2-norm before clipping.
 
     The norm is computed on the local shards of the DTensor gradients (shards that are replicated, as in HSDP, are
@@ -99,14 +100,17 @@ def clip_grads(parameters: Iterable[nn.Parameter], max_norm: float, world_size: 
         world_size: ranks in the default process group.
         device: the collective's device (the run's; CPU-offloaded gradients are summed there too).
         carry: float64 values summed over the ranks in the same all-reduce (in place): the step guard's loss sum.
+        stage_size: the ranks of one pipeline stage (its parameters live on those only); None: the world.
+        uncounted: ids of parameters clipped but left out of the norm (a pipeline's second copy of tied embeddings).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    parameters = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters]
     locals_: list[torch.Tensor] = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     sumsq = torch.zeros((), dtype=torch.float64, device=device)
     by_replication: dict[int, list[torch.Tensor]] = {}
-    for grad, local in zip(grads, locals_, strict=True):
-        if local.numel():
-            by_replication.setdefault(_replication(grad, world_size), []).append(local)
+    for param, grad, local in zip(parameters, grads, locals_, strict=True):
+        if local.numel() and id(param) not in uncounted:
+            by_replication.setdefault(_replication(grad, stage_size or world_size), []).append(local)
     for replication, tensors in by_replication.items():
         norms = torch._foreach_norm(tensors, 2.0)
         part = torch.stack([n.to(torch.float64) for n in norms]).square().sum() / replication

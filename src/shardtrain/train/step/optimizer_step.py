@@ -19,6 +19,7 @@ gradients averaged over the ranks (by FSDP, as by DDP).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ from torch import nn
 from shardtrain.errors import DataError
 from shardtrain.parallel.dims import ParallelDims
 from shardtrain.parallel.expert import rescale_expert_grads
+from shardtrain.parallel.pipeline import Pipeline
 from shardtrain.train.step.guard import StepGuard
 from shardtrain.train.step.loss import LossComputer
 from shardtrain.train.step.micro import MicroStep
@@ -88,6 +90,8 @@ class OptimizerStep:
         loss: the model's `LossComputer` (counts targets; marks placeholder micro-batches).
         preemption: SIGTERM's flag, agreed on by every rank before each step (None: not watched).
         guard: the step guard (None: every step is applied); its loss travels in clipping's all-reduce.
+        pipeline: this rank's pipeline stage (None: no pipeline): its schedule reduces the gradients, its tied
+            embeddings' gradients are summed over the first and last stage before clipping.
     """
 
     model: nn.Module
@@ -99,6 +103,7 @@ class OptimizerStep:
     loss: LossComputer
     preemption: PreemptionHandler | None = None
     guard: StepGuard | None = None
+    pipeline: Pipeline | None = None
 
     def run(self, batches: list[Any], placeholders: list[bool] | None, hooks: StepHooks, *, step: int,
             by_samples: bool, counts: tuple[int, int] | None = None) -> StepResult:
@@ -125,23 +130,30 @@ class OptimizerStep:
         grad_scale = 1.0 if library else average / targets
         loss_sum = torch.zeros((), device=self.device)
         last = len(batches) - 1
-        for index, batch in enumerate(batches):
-            if self.sharded and last > 0:  # reduce-scatter once per step, after the last micro-batch
-                self.model.set_requires_gradient_sync(index == last)
-            micro = MicroStep(batch=batch, index=index, count=len(batches), num_items=num_items,
-                              grad_scale=grad_scale, placeholder=placeholders[index])
-            self.loss.current = micro  # for code with Hugging Face's signatures (a placeholder weighs 0)
-            try:
-                loss_sum += hooks.micro_step(micro)
-            finally:
-                self.loss.current = None
-            if index < last:
-                hooks.between_micro_steps()
+        # a pipeline's micro-batches share one shape (its stages infer their activations' shapes before the first)
+        shape = self.pipeline.step_shape(batches) if self.pipeline is not None else contextlib.nullcontext()
+        with shape:
+            for index, batch in enumerate(batches):
+                if self.sharded and last > 0 and self.pipeline is None:  # reduce-scatter once, after the last one
+                    self.model.set_requires_gradient_sync(index == last)
+                micro = MicroStep(batch=batch, index=index, count=len(batches), num_items=num_items,
+                                  grad_scale=grad_scale, placeholder=placeholders[index])
+                self.loss.current = micro  # for code with Hugging Face's signatures (a placeholder weighs 0)
+                try:
+                    loss_sum += hooks.micro_step(micro)
+                finally:
+                    self.loss.current = None
+                if index < last:
+                    hooks.between_micro_steps()
         if self.dims.ep > 1:
             rescale_expert_grads(self.model)
+        uncounted: set[int] = set()
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_grads()
+            uncounted = self.pipeline.uncounted()
         carry = loss_sum.detach().to(torch.float64).reshape(1).clone() if self.guard is not None else None
         grad_norm = clip_grads(self.model.parameters(), self.max_grad_norm, self.dims.world_size, self.device,
-                               carry=carry)
+                               carry=carry, stage_size=self.dims.stage_size, uncounted=uncounted)
         skipped = None
         if self.guard is not None:  # the global mean loss (tp ranks hold the same sum) and norm: one decision
             loss = float(carry.item()) / self.dims.tp / targets
@@ -161,7 +173,8 @@ class OptimizerStep:
         *counts, stop = header.tolist()  # one device sync for all
         if stop > 0:
             raise Preempted(step)
-        targets, inputs = (round(c / self.dims.tp) for c in counts)  # tp ranks hold the same tokens
+        # tp ranks and pipeline stages hold the same tokens
+        targets, inputs = (round(c / self.dims.data_copies) for c in counts)
         if counted and targets == 0:  # every rank knows the global count: all raise together, before an update
             raise DataError(f"the global batch of step {step + 1} has no target token (every label is -100); make "
                             "sure each batch has labels to learn from (longer samples, or a larger batch)")

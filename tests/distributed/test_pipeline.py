@@ -1,0 +1,137 @@
+"""Pipeline parallelism (pp) in the Trainer equals one process on the same global batches: losses, gradient norms
+and weights, with padding (microbatches of different target counts), clipping, and tied embeddings kept tied
+across the first and last stage; evaluation, predictions and save_model too; sharded checkpoints resume on another
+pipeline size, and a run with dropout resumes bit-identically."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import python, torchrun
+
+WORKER = Path(__file__).parent / "workers" / "pipeline_run.py"
+
+
+def run(tmp_path: Path, nproc: int, *args: str) -> list[dict]:
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(WORKER, nproc, str(out), *args, timeout=300)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def check_equal_to_one_process(results: list[dict], stages: int) -> None:
+    assert sorted({r["stage"] for r in results}) == list(range(stages))
+    for result in results:
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=1e-5, abs=0)
+        assert result["grad_norms"] == pytest.approx(result["reference_grad_norms"], rel=1e-5, abs=0)
+        assert max(result["reference_grad_norms"]) > 0.5  # clipping (max_grad_norm 0.5) was active
+        assert result["max_weight_change"] > 1e-3  # the steps moved the weights
+        assert result["max_weight_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("schedule,microbatches", [("1F1B", "2"), ("GPipe", "4")])
+def test_two_stages_equal_one_process_with_tied_embeddings(tmp_path, schedule, microbatches):
+    results = run(tmp_path, 2, "2", schedule, microbatches, "1")
+    check_equal_to_one_process(results, 2)
+    first, last = results
+    # the split keeps the model's own names; the tied pair lives on both ends (embedding first, head last)
+    assert "model.embed_tokens.weight" in first["keys"] and "lm_head.weight" not in first["keys"]
+    assert "lm_head.weight" in last["keys"] and "model.norm.weight" in last["keys"]
+    assert {k for k in first["keys"] if k.startswith("model.layers.")} == \
+        {f"model.layers.{i}.{rest}" for i in (0, 1) for rest in
+         {k.split(".", 3)[3] for k in first["keys"] if k.startswith("model.layers.")}}
+    assert any(k.startswith("model.layers.3.") for k in last["keys"])
+
+
+def test_pipeline_by_fsdp_equals_one_process(tmp_path):
+    results = run(tmp_path, 4, "2", "1F1B", "2", "1", "2")
+    assert results[0]["layout"].startswith("pp 2 x dp_replicate 1 x dp_shard 2")
+    check_equal_to_one_process(results, 2)
+
+
+def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path):
+    results = run(tmp_path, 4, "2", "GPipe", "2", "0", "1", "2")
+    assert "tp 2" in results[0]["layout"]
+    check_equal_to_one_process(results, 2)
+
+
+RUN = Path(__file__).parent / "workers" / "train_run.py"
+SHARDED = {"fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"}, "model": "llama_tied"}
+PP2 = {"pp_size": 2, "pp_microbatches": 2}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """pp 2 x dp 2 (4 ranks) and the same global batch of 8 on dp 2, on pp 2 alone and on one process; sharded
+    checkpoints at step 5 resumed on the other layouts; a tied, dropout model's run on pp 2 stopped at step 5 and
+    resumed from its full (safetensors) checkpoint in a new process."""
+    root = tmp_path_factory.mktemp("pipeline")
+    saved = {"save_strategy": "steps", "save_steps": 5}
+    dropout = {"model": "llama_dropout", "per_device_train_batch_size": 4, **PP2}
+    torchrun(RUN, 2, json.dumps([
+        {"out": str(root / "dp2"), "per_device_train_batch_size": 4, **SHARDED, **saved},
+        {"out": str(root / "dropout"), **dropout},
+        {"out": str(root / "dropout-resumed"), **dropout, **saved, "stop_after": 5}]), timeout=300)
+    torchrun(RUN, 4, json.dumps([{"out": str(root / "pp2dp2"), "per_device_train_batch_size": 4, **PP2, **SHARDED,
+                                  **saved, "predict": True, "save_model": str(root / "pp2dp2-model")}]),
+             timeout=300)
+    torchrun(RUN, 2, json.dumps([
+        {"out": str(root / "pp-to-dp"), "per_device_train_batch_size": 4, **SHARDED,
+         "resume": str(root / "pp2dp2" / "checkpoint-5")},
+        {"out": str(root / "pp-to-pp"), "per_device_train_batch_size": 8, **PP2, **SHARDED,
+         "resume": str(root / "pp2dp2" / "checkpoint-5")},
+        {"out": str(root / "dp-to-pp"), "per_device_train_batch_size": 8, **PP2, **SHARDED,
+         "resume": str(root / "dp2" / "checkpoint-5")},
+        {"out": str(root / "dropout-resumed"), **dropout, **saved, "resume": True}]), timeout=300)
+    python(RUN, json.dumps([{"out": str(root / "one"), "per_device_train_batch_size": 8, "model": "llama_tied",
+                             "predict": True, "save_model": str(root / "one-model")}]))
+    return root
+
+
+def _result(path: Path) -> dict:
+    return json.loads((path / "result.json").read_text())
+
+
+def test_pipeline_by_fsdp_equals_one_process_in_training_and_evaluation(runs):
+    pp, one, dp = _result(runs / "pp2dp2"), _result(runs / "one"), _result(runs / "dp2")
+    assert pp["layout"].startswith("pp 2 x dp_replicate 1 x dp_shard 2") and len(pp["losses"]) == 10
+    assert pp["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=0)
+    assert pp["losses"] == pytest.approx(dp["losses"], rel=1e-6, abs=0)
+    assert pp["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5, abs=0)
+    assert pp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)
+    got, ref = (torch.load(runs / name / "predict.pt", weights_only=True) for name in ("pp2dp2", "one"))
+    assert got["predictions"].shape == ref["predictions"].shape and len(got["predictions"]) == 20
+    assert torch.allclose(got["predictions"], ref["predictions"], atol=1e-5, rtol=0)
+    assert torch.equal(got["label_ids"], ref["label_ids"])
+    assert got["metrics"]["test_accuracy"] == ref["metrics"]["test_accuracy"]
+
+
+def test_save_model_under_a_pipeline_writes_one_hugging_face_model(runs):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    files = load_file(runs / "pp2dp2-model" / "model.safetensors")
+    reference = load_file(runs / "one-model" / "model.safetensors")
+    assert files.keys() == reference.keys() and "lm_head.weight" not in files  # tied: saved once, as HF saves it
+    model = AutoModelForCausalLM.from_pretrained(runs / "pp2dp2-model")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref_model = AutoModelForCausalLM.from_pretrained(runs / "one-model")
+    batch = torch.tensor([[5, 9, 14, 3, 7, 7, 2]])
+    with torch.no_grad():
+        assert torch.allclose(model(batch).logits, ref_model(batch).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("resumed,origin", [("pp-to-dp", "pp2dp2"), ("pp-to-pp", "pp2dp2"), ("dp-to-pp", "dp2")])
+def test_sharded_checkpoint_resumes_on_another_pipeline_size(runs, resumed, origin):
+    got, ref = _result(runs / resumed), _result(runs / origin)
+    assert got["layout"] != ref["layout"]
+    assert got["losses"][5:] == pytest.approx(ref["losses"][5:], rel=1e-6, abs=0)
+    assert got["grad_norms"][5:] == pytest.approx(ref["grad_norms"][5:], rel=1e-5, abs=0)
+
+
+def test_resume_under_a_pipeline_is_bit_identical_with_dropout(runs):
+    ref, got = _result(runs / "dropout"), _result(runs / "dropout-resumed")
+    assert got["steps"] == list(range(1, 11))
+    assert got["losses"] == ref["losses"] and got["grad_norms"] == ref["grad_norms"]  # exact, not a tolerance
+    assert got["eval_loss"] == ref["eval_loss"]
