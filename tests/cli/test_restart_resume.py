@@ -74,3 +74,23 @@ def test_restart_resumes_to_the_same_weights(references, tmp_path, trial):
     # metrics.jsonl: the steps replayed after the restart are logged once, not twice
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged if "loss" in e] == list(range(1, 9))
+
+
+def test_pipeline_restart_after_a_kill_resumes_to_the_same_weights(tmp_path):
+    """pp 2 given as the launcher's flag: rank 1 (the last stage) SIGKILLed after step 5 of a run with dropout;
+    the restarted group resumes from checkpoint-4 and ends bit-identical to an uninterrupted pp 2 run."""
+    pp = ("--use_parallelism_config", "--parallelism_config_pp_size", 2)
+    kind = "FULL_STATE_DICT"
+    reference = tmp_path / "reference"
+    launch_pooled(tmp_path / "home", "--cpu", "--num_processes", 2, *pp, SCRIPT, reference, kind)
+    out = tmp_path / "run"
+    proc = launch_ok(tmp_path / "home", "--cpu", "--num_processes", 2, "--max_restarts", 1, *pp, SCRIPT, out, kind,
+                     "1:5")
+    log = proc.stdout + proc.stderr
+    assert f"Resuming from {out}/checkpoint-4" in log, explain(proc)
+    assert "layout: pp 2 x dp_replicate 1 x dp_shard 1" in log, explain(proc)
+    final, expected = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" /
+                                                                                  "model.safetensors")
+    assert final.keys() == expected.keys()
+    for key, ref in expected.items():
+        assert torch.equal(final[key], ref), key

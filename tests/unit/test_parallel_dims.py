@@ -78,3 +78,19 @@ def test_script_sizes_win_over_the_launcher_key_by_key(monkeypatch, tmp_path):
     json.loads(args.to_json_string())
     with pytest.raises(TrainingArgumentsError, match="cp_size = 2 but parallelism_config.cp_size = 4"):
         TrainingArguments(output_dir=str(tmp_path), fsdp=True, cp_size=2, parallelism_config={"cp_size": 4})
+
+
+def test_pipeline_size_comes_the_three_ways_in(monkeypatch, tmp_path):
+    from shardtrain.config.launch_config import LaunchConfig
+    from shardtrain.config.run_spec import RunSpec
+
+    script = TrainingArguments(output_dir=str(tmp_path), fsdp=True, pp_size=2, pp_schedule="GPipe", pp_microbatches=4)
+    spec = RunSpec.resolve(script)
+    assert (script.parallel_sizes, spec.sizes["pp"], spec.pp_schedule, spec.pp_microbatches) == \
+        ({"pp_size": 2}, 2, "GPipe", 4)
+    assert TrainingArguments(output_dir=str(tmp_path), fsdp=True,
+                             parallelism_config={"parallelism_config_pp_size": 2}).pp_size == 2
+    config = LaunchConfig.from_dict({"parallelism_config": {"parallelism_config_pp_size": 2}}, "config.yaml")
+    assert config.use_parallelism_config and config.parallelism == {"pp_size": 2}
+    monkeypatch.setenv("SHARDTRAIN_PARALLELISM", json.dumps({"pp_size": 2}))  # what the launcher hands the ranks
+    assert TrainingArguments(output_dir=str(tmp_path), fsdp=True).pp_size == 2

@@ -69,9 +69,10 @@ class ParallelDims:
                 raise ParallelDimsError(f"parallel size {name} = {value!r} must be an int >= 1")
         given = ", ".join(f"{k}={v}" for k, v in sizes.items() if v not in (None, 1))
         if world_size % (pp * cp * tp):
+            named = {"pp_size": pp, "cp_size": cp, "tp_size": tp} if pp > 1 else {"cp_size": cp, "tp_size": tp}
             raise ParallelDimsError(
-                f"pp_size x cp_size x tp_size = {pp} x {cp} x {tp} = {pp * cp * tp} does not divide the {world_size} "
-                f"ranks; choose sizes whose product divides {world_size} (given: {given or 'defaults'})")
+                f"{' x '.join(named)} = {' x '.join(map(str, named.values()))} = {pp * cp * tp} does not divide the "
+                f"{world_size} ranks; choose sizes whose product divides {world_size} (given: {given or 'defaults'})")
         if pp > 1 and cp > 1:
             raise ParallelDimsError(
                 f"pp_size = {pp} with cp_size = {cp}: context parallelism inside pipeline stages is not implemented "

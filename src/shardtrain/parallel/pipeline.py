@@ -60,7 +60,7 @@ class PipelineSettings:
     microbatches: int | None = None
 
     def microbatches_for(self, stages: int) -> int:
-        return self.microbatches or stages
+        return stages if self.microbatches is None else self.microbatches
 
 
 def check_settings(settings: PipelineSettings, *, stages: int, per_device_batch: int | None = None) -> None:

@@ -81,6 +81,8 @@ def main() -> None:
     trainer = Trainer(model, args, train_dataset=variable_length_dataset(n=64), callbacks=callbacks)
     trainer.train()
     trainer.save_model(str(out / "final"))
+    if trainer.rank == 0:
+        print(f"layout: {trainer.dims.describe()}", flush=True)
 
 
 if __name__ == "__main__":

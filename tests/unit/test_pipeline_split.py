@@ -1,0 +1,98 @@
+"""The pipeline split (`parallel/pipeline.py`) in one process: stages chained by hand give the unsplit model's
+logits, keep the model's names, keep tied embeddings on both ends; settings and models a pipeline cannot run are
+refused with the numbers."""
+
+import copy
+
+import pytest
+import torch
+from tiny_models import tiny_gpt2, tiny_llama
+
+from shardtrain.errors import ParallelDimsError, PipelineError
+from shardtrain.parallel.dims import ParallelDims
+from shardtrain.parallel.pipeline import (
+    PipelineSettings,
+    Skipped,
+    StageModule,
+    check_settings,
+    layer_ranges,
+    published_aliases,
+    split_model,
+    stage_split,
+)
+
+
+def test_layers_are_split_evenly_the_first_stages_taking_the_rest():
+    assert layer_ranges(5, 2) == [range(0, 3), range(3, 5)]
+    assert layer_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_stages_chained_by_hand_give_the_unsplit_logits(tie):
+    model = tiny_llama(tie=tie, layers=5).eval()
+    ids = torch.tensor([[3, 9, 14, 2, 7, 1], [5, 5, 8, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    stages = [copy.deepcopy(model) for _ in range(3)]
+    splits = [split_model(stage, stage=i, stages=3) for i, stage in enumerate(stages)]
+    assert [s.layers for s in splits] == [range(0, 2), range(2, 4), range(4, 5)]
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        hidden = ids
+        for i, stage in enumerate(stages):
+            hidden = StageModule(stage, first=i == 0)(hidden, attention_mask=mask)
+    assert hidden.shape == expected.shape
+    assert torch.allclose(hidden, expected, atol=1e-6, rtol=0)
+    # the kept modules keep their names (a stage's checkpoint keys are the model's own)
+    keys = [set(stage.state_dict()) for stage in stages]
+    assert set().union(*keys) == set(model.state_dict())
+    assert "model.embed_tokens.weight" in keys[0] and "lm_head.weight" in keys[2]
+    assert any(k.startswith("model.layers.4.") for k in keys[2]) and not any("layers.4." in k for k in keys[1])
+    assert isinstance(stages[1].model.embed_tokens, Skipped) and isinstance(stages[1].lm_head, Skipped)
+    assert [s.tied for s in splits] == [tie] * 3
+    assert stage_split(stages[2]) is splits[2]
+    if tie:  # the last stage publishes its half of the pair under the embedding's name, as one process saves it
+        assert splits[0].tied_names == ("model.embed_tokens.weight", "lm_head.weight")
+        assert published_aliases(stages[2]) == {"model.embed_tokens.weight": "lm_head.weight"}
+        assert published_aliases(stages[0]) == {}
+
+
+def test_models_a_pipeline_cannot_split_are_refused_by_name():
+    with pytest.raises(PipelineError, match="GPT2LMHeadModel has no pipeline plan"):
+        split_model(tiny_gpt2(), stage=0, stages=2)
+    with pytest.raises(PipelineError, match="has 2 layers, fewer than the pp_size = 3 stages"):
+        split_model(tiny_llama(layers=2), stage=0, stages=3)
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    with pytest.raises(PipelineError, match="LoRA adapters is not implemented yet"):
+        split_model(lora, stage=0, stages=2)
+
+
+@pytest.mark.parametrize("settings,stages,batch,words", [
+    (PipelineSettings(schedule="1f1b"), 2, None, "is not a schedule; use one of"),
+    (PipelineSettings(schedule="Interleaved1F1B"), 2, None, "runs several stages per rank"),
+    (PipelineSettings(schedule="1F1B", microbatches=1), 2, None, "pp_microbatches = 1 is fewer than the 2"),
+    (PipelineSettings(schedule="GPipe", microbatches=0), 2, None, "must be an int >= 1"),
+    (PipelineSettings(schedule="GPipe", microbatches=3), 2, 4, "per_device_train_batch_size = 4 does not split"),
+])
+def test_settings_a_pipeline_cannot_run_are_refused_with_the_numbers(settings, stages, batch, words):
+    with pytest.raises(PipelineError, match=words):
+        check_settings(settings, stages=stages, per_device_batch=batch)
+
+
+def test_settings_that_work_pass():
+    check_settings(PipelineSettings(), stages=2, per_device_batch=4)  # 1F1B, 2 microbatches
+    check_settings(PipelineSettings(schedule="GPipe", microbatches=1), stages=4, per_device_batch=3)
+
+
+def test_pipeline_is_the_outermost_dimension():
+    dims = ParallelDims.resolve(world_size=8, pp=2, tp=2)
+    assert (dims.pp, dims.dp_shard, dims.tp, dims.data_copies, dims.stage_size) == (2, 2, 2, 4, 4)
+    assert dims.rank_coords(5) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1, "batch": 0}
+    assert dims.describe().startswith("pp 2 x dp_replicate 1 x dp_shard 2")
+    with pytest.raises(ParallelDimsError, match="pp_size x cp_size x tp_size = 3 x 1 x 1 = 3 does not divide"):
+        ParallelDims.resolve(world_size=4, pp=3)
+    with pytest.raises(ParallelDimsError, match="pp_size = 2 with cp_size = 2"):
+        ParallelDims.resolve(world_size=4, pp=2, cp=2)
+    with pytest.raises(ParallelDimsError, match="pp_size = 2 with ep_size = 2"):
+        ParallelDims.resolve(world_size=4, pp=2, ep=2)
