@@ -1,7 +1,7 @@
 """Pipeline parallelism (pp) in the Trainer equals one process on the same global batches: losses, gradient norms
 and weights, with padding (microbatches of different target counts), clipping, and tied embeddings kept tied
 across the first and last stage; evaluation, predictions and save_model too; sharded checkpoints resume on another
-pipeline size, and a run with dropout resumes bit-identically."""
+pipeline size, and a run with dropout resumes bit-identically; LoRA adapters train on every stage."""
 
 import json
 from pathlib import Path
@@ -69,10 +69,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     saved = {"save_strategy": "steps", "save_steps": 5}
     dropout = {"model": "llama_dropout", "per_device_train_batch_size": 4, **PP2}
+    lora = {"lora": True, "per_device_train_batch_size": 4, **PP2}
     torchrun(RUN, 2, json.dumps([
         {"out": str(root / "dp2"), "per_device_train_batch_size": 4, **SHARDED, **saved},
         {"out": str(root / "dropout"), **dropout},
-        {"out": str(root / "dropout-resumed"), **dropout, **saved, "stop_after": 5}]), timeout=300)
+        {"out": str(root / "dropout-resumed"), **dropout, **saved, "stop_after": 5},
+        {"out": str(root / "lora"), **lora, "save_model": str(root / "lora-adapter")},
+        {"out": str(root / "lora-resumed"), **lora, **saved, "stop_after": 5}]), timeout=300)
     torchrun(RUN, 4, json.dumps([{"out": str(root / "pp2dp2"), "per_device_train_batch_size": 4, **PP2, **SHARDED,
                                   **saved, "predict": True, "save_model": str(root / "pp2dp2-model")}]),
              timeout=300)
@@ -83,9 +86,12 @@ def runs(tmp_path_factory):
          "resume": str(root / "pp2dp2" / "checkpoint-5")},
         {"out": str(root / "dp-to-pp"), "per_device_train_batch_size": 8, **PP2, **SHARDED,
          "resume": str(root / "dp2" / "checkpoint-5")},
-        {"out": str(root / "dropout-resumed"), **dropout, **saved, "resume": True}]), timeout=300)
+        {"out": str(root / "dropout-resumed"), **dropout, **saved, "resume": True},
+        {"out": str(root / "lora-resumed"), **lora, **saved, "resume": True}]), timeout=300)
     python(RUN, json.dumps([{"out": str(root / "one"), "per_device_train_batch_size": 8, "model": "llama_tied",
-                             "predict": True, "save_model": str(root / "one-model")}]))
+                             "predict": True, "save_model": str(root / "one-model")},
+                            {"out": str(root / "lora-one"), "lora": True, "per_device_train_batch_size": 4,
+                             "save_model": str(root / "lora-one-adapter")}]))
     return root
 
 
@@ -135,3 +141,18 @@ def test_resume_under_a_pipeline_is_bit_identical_with_dropout(runs):
     assert got["steps"] == list(range(1, 11))
     assert got["losses"] == ref["losses"] and got["grad_norms"] == ref["grad_norms"]  # exact, not a tolerance
     assert got["eval_loss"] == ref["eval_loss"]
+
+
+def test_lora_under_a_pipeline_equals_one_process_and_resumes_bit_identically(runs):
+    from safetensors.torch import load_file
+
+    got, ref, resumed = (_result(runs / name) for name in ("lora", "lora-one", "lora-resumed"))
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
+    assert resumed["losses"] == got["losses"] and resumed["grad_norms"] == got["grad_norms"]
+    # every stage's adapters in one adapter_model.safetensors, as one process writes it
+    adapters, expected = (load_file(runs / name / "adapter_model.safetensors")
+                          for name in ("lora-adapter", "lora-one-adapter"))
+    assert adapters.keys() == expected.keys() and any(".layers.1." in k for k in adapters)
+    for key, value in expected.items():
+        assert torch.allclose(adapters[key], value, atol=1e-6, rtol=0), key

@@ -1,6 +1,6 @@
 """The pipeline split (`parallel/pipeline.py`) in one process: stages chained by hand give the unsplit model's
-logits, keep the model's names, keep tied embeddings on both ends; settings and models a pipeline cannot run are
-refused with the numbers."""
+logits, keep the model's names (a PEFT model's too), keep tied embeddings on both ends; settings and models a
+pipeline cannot run are refused with the numbers."""
 
 import copy
 
@@ -61,11 +61,17 @@ def test_models_a_pipeline_cannot_split_are_refused_by_name():
         split_model(tiny_gpt2(), stage=0, stages=2)
     with pytest.raises(PipelineError, match="has 2 layers, fewer than the pp_size = 3 stages"):
         split_model(tiny_llama(layers=2), stage=0, stages=3)
+
+
+def test_a_peft_model_is_split_through_its_base_model_under_its_own_names():
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
-    with pytest.raises(PipelineError, match="LoRA adapters is not implemented yet"):
-        split_model(lora, stage=0, stages=2)
+    lora = get_peft_model(tiny_llama(tie=True), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    split = split_model(lora, stage=1, stages=2)
+    assert stage_split(lora) is split and split.layers == range(1, 2)
+    assert split.tied_names == ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")
+    adapters = [k for k, p in lora.named_parameters() if p.requires_grad]
+    assert adapters and all(".layers.1." in k for k in adapters)  # the other stage's adapters went with its layers
 
 
 @pytest.mark.parametrize("settings,stages,batch,words", [

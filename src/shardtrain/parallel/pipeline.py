@@ -178,11 +178,11 @@ def split_model(model: nn.Module, *, stage: int, stages: int) -> StageSplit:
     become `Skipped`. The model carries the `StageSplit` (`stage_split`).
 
     Raises:
-        PipelineError: a model without a pipeline plan, fewer layers than stages, or LoRA adapters.
+        PipelineError: a model without a pipeline plan, or fewer layers than stages.
     """
+    outer = model  # a PEFT model is split through its base model; names (and the split's record) are the outer's
     if callable(getattr(model, "get_base_model", None)):
-        raise PipelineError("pp_size > 1 with LoRA adapters is not implemented yet; train the adapters with pp_size "
-                            "1 (data, context or tensor parallelism)")
+        model = model.get_base_model()
     base, before, layers_name, after = _pipeline_plan(model)
     layers = getattr(base, layers_name)
     if len(layers) < stages:
@@ -197,7 +197,7 @@ def split_model(model: nn.Module, *, stage: int, stages: int) -> StageSplit:
     if tied:  # each stage keeps its copy whole (not tensor-parallel), as a tied pair is in one process
         setattr(embedding, TIED_ACROSS_STAGES, True)
         setattr(head, TIED_ACROSS_STAGES, True)
-        names = {id(m): n for n, m in model.named_modules()}
+        names = {id(m): n for n, m in outer.named_modules()}
         tied_names = (f"{names[id(embedding)]}.weight", f"{names[id(head)]}.weight")
     kept = layer_ranges(len(layers), stages)[stage]
     for index in range(len(layers)):
@@ -210,7 +210,7 @@ def split_model(model: nn.Module, *, stage: int, stages: int) -> StageSplit:
         owner = base if hasattr(base, name) and name not in getattr(model, "_pp_plan", {}) else model
         setattr(owner, name, Skipped())
     split = StageSplit(stage=stage, stages=stages, layers=kept, tied=tied, tied_names=tied_names)
-    setattr(model, STAGE_ATTR, split)
+    setattr(outer, STAGE_ATTR, split)
     return split
 
 

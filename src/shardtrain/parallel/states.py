@@ -68,11 +68,17 @@ def full_model_state(model: nn.Module, trainable_only: bool = False) -> dict[str
                                                                  ignore_frozen_params=trainable_only))
     for alias in tied_aliases(model):
         state.pop(alias, None)
-    if split is None:
-        return state
+    return state if split is None else gather_stages(model, state)
+
+
+def gather_stages(model: nn.Module, stage_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's `stage_state` (whole tensors of its part, as each of its ranks holds them) joined on
+    rank 0 (empty elsewhere); collective. Each stage's first rank sends its part (in memory, between this run's
+    own ranks)."""
+    split = stage_split(model)
     rank, per_stage = dist.get_rank(), dist.get_world_size() // split.stages
-    mine = {k: v.detach().cpu() for k, v in state.items()} if rank % per_stage == 0 else {}
-    parts = collectives.gather_objects(mine)  # (in memory, between this run's own ranks)
+    mine = {k: v.detach().cpu() for k, v in stage_state.items()} if rank % per_stage == 0 else {}
+    parts = collectives.gather_objects(mine)
     return {k: v for part in parts for k, v in part.items()} if rank == 0 else {}
 
 

@@ -22,10 +22,11 @@ from shardtrain.checkpoint.hf_files import write_beside_model
 from shardtrain.checkpoint.model_state import model_config_dict
 from shardtrain.errors import CheckpointError, OutputDirError, TrainingArgumentsError
 from shardtrain.parallel.collectives import agree
-from shardtrain.parallel.states import TorchStates
+from shardtrain.parallel.pipeline import stage_split
+from shardtrain.parallel.states import TorchStates, gather_stages
 from shardtrain.train.args.hf_methods import owner
 from shardtrain.train.data.validation import writable_problem
-from shardtrain.train.model.lora import is_peft_model, merged_state, write_adapter
+from shardtrain.train.model.lora import is_peft_model, merged_state, stage_adapters, write_adapter
 
 
 class ModelExport:
@@ -62,11 +63,14 @@ class ModelExport:
                 self._on_rank0(out, lambda: side_files(model))
                 return out
         adapters_only = is_peft_model(model) and not merge_adapters
-        state = self.backend.full_model_state(model, trainable_only=adapters_only)
+        if adapters_only and stage_split(model) is not None:  # each stage picks its adapters (peft reads the
+            state = gather_stages(model, stage_adapters(model))  # modules), rank 0 joins them
+        else:
+            state = self.backend.full_model_state(model, trainable_only=adapters_only)
 
         def write() -> None:
             if adapters_only:
-                write_adapter(model, state, out)
+                write_adapter(model, state, out, picked=stage_split(model) is not None)
                 side_files(model)
                 return
             merge = merge_adapters and is_peft_model(model)

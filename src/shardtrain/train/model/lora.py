@@ -72,12 +72,23 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def write_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], out: Path) -> None:
-    """adapter_model.safetensors + adapter_config.json from the gathered trainable state (rank 0 only)."""
+def stage_adapters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapter weights, whole, as peft names them in adapter_model.safetensors; collective
+    over the stage's ranks."""
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    trainable = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, ignore_frozen_params=True))
+    return get_peft_model_state_dict(model, state_dict=trainable)
+
+
+def write_adapter(model: nn.Module, trainable_state: dict[str, torch.Tensor], out: Path, picked: bool = False) -> None:
+    """adapter_model.safetensors + adapter_config.json from the gathered trainable state (rank 0 only); `picked`:
+    the state holds the adapter's entries already (`stage_adapters` of every pipeline stage)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    adapter = get_peft_model_state_dict(model, state_dict=trainable_state)
+    adapter = trainable_state if picked else get_peft_model_state_dict(model, state_dict=trainable_state)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
