@@ -113,7 +113,7 @@ def worker(cli: argparse.Namespace) -> None:
     if pipeline is not None:
         stage = pipeline.split.stage
         idle = [1 - b / s for b, s in spans if s > 0]
-        mine.update(stage=stage, layers=[pipeline.split.layers.start, pipeline.split.layers.stop],
+        mine.update(stage=stage, layers=[pipeline.split.layers[0].start, pipeline.split.layers[0].stop],
                     idle_share_median=statistics.median(idle),
                     busy_share_of_step=statistics.median(b / t for (b, _), t in zip(spans, steps, strict=True)),
                     schedule_share_of_step=statistics.median(s / t for (_, s), t in zip(spans, steps, strict=True)),

@@ -10,16 +10,8 @@ from tiny_models import tiny_gpt2, tiny_llama
 
 from shardtrain.errors import ParallelDimsError, PipelineError
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.parallel.pipeline import (
-    PipelineSettings,
-    Skipped,
-    StageModule,
-    check_settings,
-    layer_ranges,
-    published_aliases,
-    split_model,
-    stage_split,
-)
+from shardtrain.parallel.pipeline import PipelineSettings, StageModule, check_settings, split_for_rank
+from shardtrain.parallel.pipeline_split import Skipped, layer_ranges, published_aliases, split_model, stage_split
 
 
 def test_layers_are_split_evenly_the_first_stages_taking_the_rest():
@@ -33,8 +25,8 @@ def test_stages_chained_by_hand_give_the_unsplit_logits(tie):
     ids = torch.tensor([[3, 9, 14, 2, 7, 1], [5, 5, 8, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
     stages = [copy.deepcopy(model) for _ in range(3)]
-    splits = [split_model(stage, stage=i, stages=3) for i, stage in enumerate(stages)]
-    assert [s.layers for s in splits] == [range(0, 2), range(2, 4), range(4, 5)]
+    splits = [split_model(stage, held=(i,), stages=3) for i, stage in enumerate(stages)]
+    assert [s.layers for s in splits] == [(range(0, 2),), (range(2, 4),), (range(4, 5),)]
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask).logits
         hidden = ids
@@ -58,37 +50,67 @@ def test_stages_chained_by_hand_give_the_unsplit_logits(tie):
 
 def test_models_a_pipeline_cannot_split_are_refused_by_name():
     with pytest.raises(PipelineError, match="GPT2LMHeadModel has no pipeline plan"):
-        split_model(tiny_gpt2(), stage=0, stages=2)
-    with pytest.raises(PipelineError, match="has 2 layers, fewer than the pp_size = 3 stages"):
-        split_model(tiny_llama(layers=2), stage=0, stages=3)
+        split_model(tiny_gpt2(), held=(0,), stages=2)
+    with pytest.raises(PipelineError, match="has 2 layers, fewer than the 3 pipeline stages"):
+        split_model(tiny_llama(layers=2), held=(0,), stages=3)
 
 
 def test_a_peft_model_is_split_through_its_base_model_under_its_own_names():
     from peft import LoraConfig, get_peft_model
 
     lora = get_peft_model(tiny_llama(tie=True), LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
-    split = split_model(lora, stage=1, stages=2)
-    assert stage_split(lora) is split and split.layers == range(1, 2)
+    split = split_model(lora, held=(1,), stages=2)
+    assert stage_split(lora) is split and split.layers == (range(1, 2),)
     assert split.tied_names == ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")
     adapters = [k for k, p in lora.named_parameters() if p.requires_grad]
     assert adapters and all(".layers.1." in k for k in adapters)  # the other stage's adapters went with its layers
 
 
-@pytest.mark.parametrize("settings,stages,batch,words", [
+@pytest.mark.parametrize("settings,pp,batch,words", [
     (PipelineSettings(schedule="1f1b"), 2, None, "is not a schedule; use one of"),
-    (PipelineSettings(schedule="Interleaved1F1B"), 2, None, "runs several stages per rank"),
+    (PipelineSettings(schedule="Interleaved1F1B", microbatches=3), 2, None, "is not a multiple of pp_size = 2"),
+    (PipelineSettings(schedule="DualPipeV"), 2, None, "splits each backward into an input-gradient and a weight"),
     (PipelineSettings(schedule="1F1B", microbatches=1), 2, None, "pp_microbatches = 1 is fewer than the 2"),
     (PipelineSettings(schedule="GPipe", microbatches=0), 2, None, "must be an int >= 1"),
     (PipelineSettings(schedule="GPipe", microbatches=3), 2, 4, "per_device_train_batch_size = 4 does not split"),
 ])
-def test_settings_a_pipeline_cannot_run_are_refused_with_the_numbers(settings, stages, batch, words):
+def test_settings_a_pipeline_cannot_run_are_refused_with_the_numbers(settings, pp, batch, words):
     with pytest.raises(PipelineError, match=words):
-        check_settings(settings, stages=stages, per_device_batch=batch)
+        check_settings(settings, pp=pp, per_device_batch=batch)
 
 
 def test_settings_that_work_pass():
-    check_settings(PipelineSettings(), stages=2, per_device_batch=4)  # 1F1B, 2 microbatches
-    check_settings(PipelineSettings(schedule="GPipe", microbatches=1), stages=4, per_device_batch=3)
+    check_settings(PipelineSettings(), pp=2, per_device_batch=4)  # 1F1B, 2 microbatches
+    check_settings(PipelineSettings(schedule="GPipe", microbatches=1), pp=4, per_device_batch=3)
+    check_settings(PipelineSettings(schedule="Interleaved1F1B"), pp=2, per_device_batch=4)  # 4 microbatches
+
+
+@pytest.mark.parametrize("schedule,held", [("Interleaved1F1B", [(0, 2), (1, 3)]), ("DualPipeV", [(0, 3), (1, 2)])])
+def test_ranks_of_multi_stage_schedules_hold_two_stages_and_run_one_at_a_time(schedule, held):
+    from shardtrain.parallel.pipeline_split import active_stage
+
+    model = tiny_llama(tie=True, layers=4).eval()
+    settings = PipelineSettings(schedule=schedule)
+    ranks = [copy.deepcopy(model) for _ in range(2)]
+    splits = [split_for_rank(rank, settings, pp_rank=r, pp=2) for r, rank in enumerate(ranks)]
+    assert [s.held for s in splits] == held and {s.stages for s in splits} == {4}
+    # the looped schedule's ends are on two ranks (tied copies); the V schedule's rank 0 keeps the pair as one
+    assert [s.tied for s in splits] == [schedule == "Interleaved1F1B"] * 2
+    if schedule == "DualPipeV":
+        assert ranks[0].lm_head.weight is ranks[0].model.embed_tokens.weight
+    ids = torch.tensor([[3, 9, 14, 2, 7, 1]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        hidden = ids
+        for stage in range(4):  # each stage on the rank that holds it, with only that stage active
+            r = next(r for r, s in enumerate(splits) if stage in s.held)
+            hidden = StageModule(ranks[r], first=stage == 0, split=splits[r], stage=stage)(hidden)
+    assert torch.allclose(hidden, expected, atol=1e-6, rtol=0)
+    with active_stage(ranks[0], splits[0], held[0][0]):  # (restored afterwards)
+        pass
+    other = splits[0].layers[1][0]  # a layer of the rank's other stage: back in place
+    assert not isinstance(ranks[0].model.layers[other], Skipped)
+    assert isinstance(ranks[0].model.norm, Skipped) == (schedule == "Interleaved1F1B")  # the last stage's
 
 
 def test_pipeline_is_the_outermost_dimension():

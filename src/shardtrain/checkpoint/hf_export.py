@@ -58,7 +58,7 @@ from shardtrain.checkpoint.full import (
     write_config,
 )
 from shardtrain.parallel import collectives
-from shardtrain.parallel.pipeline import published_aliases
+from shardtrain.parallel.pipeline_split import published_aliases
 from shardtrain.parallel.states import tied_aliases
 
 STAGING_DIR = ".shardtrain-save"  # inside the output directory: same filesystem, so the final moves are renames

@@ -20,7 +20,7 @@ from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, fsdp_units
-from shardtrain.parallel.pipeline import PipelineSettings, split_model
+from shardtrain.parallel.pipeline import PipelineSettings, split_for_rank
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 
@@ -55,8 +55,8 @@ def apply_layout(model: nn.Module, layout: Layout) -> nn.Module:
     """Every stage, in torchtitan's order, in place, on the model's device (or the meta device); returns `model`.
     Each stage is one call that the settings switch (a size of 1, `ac_mode` "none", no compile options)."""
     meshes, dims = layout.meshes, layout.dims
-    if dims.pp > 1:  # this rank's stage: the other stages' modules are skipped (`pipeline.split_model`)
-        split_model(model, stage=meshes.pp.get_local_rank(), stages=dims.pp)
+    if dims.pp > 1:  # this rank's stages: the other stages' modules are skipped (`pipeline_split`)
+        split_for_rank(model, layout.pipeline, meshes.pp.get_local_rank(), dims.pp)
     if layout.cp is not None:  # context parallelism: the attention of each sequence part
         layout.cp.enable(model)
     if dims.tp > 1:

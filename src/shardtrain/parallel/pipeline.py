@@ -2,20 +2,20 @@
 its own pipeline plan, each stage laid out as usual (TP, activation checkpointing, compile, FSDP), and one
 schedule (GPipe, 1F1B, ...) running each micro-batch's forward and backward over the stages.
 
-    split = split_model(model, stage=pp_rank, stages=pp)     # in place: other stages' modules become Skipped
+    split = split_for_rank(model, settings, pp_rank, pp)     # in place (`pipeline_split`): this rank's stages
     apply_layout(model, layout)                              # TP -> AC -> compile -> FSDP on what is left
-    pipeline = Pipeline.build(model, split, layout, ...)     # the stage's FSDP root, PipelineStage, schedule
+    pipeline = Pipeline.build(model, split, ...)             # FSDP root, PipelineStage(s), the schedule
     loss_sum = pipeline.train(batch, targets, grad_scale)    # forward + backward of every pipeline microbatch
 
-The split keeps the model object and its names: a module of another stage is replaced by `Skipped` (no
-parameters, passes its first input through), so the kept layers stay under their original indices and a stage's
-state-dict keys are the full model's keys (a checkpoint resumes on any pipeline size). A non-first stage runs the
-model's own forward with `inputs_embeds` = the activations it receives; `Skipped` norm and head on a non-last
-stage make its "logits" the hidden states it sends on. The rotary embedding, the masks and the position ids are
-computed on every stage by the model's forward, from the `attention_mask` every stage is given.
+A stage runs the model's own forward (`pipeline_split` keeps the model object and its names): the first with
+`input_ids`, the others with the activations they receive as `inputs_embeds`; a skipped norm and head make a
+non-last stage's "logits" the hidden states it sends on. The rotary embedding, the masks and the position ids are
+computed on every stage by the model's forward, from the `attention_mask` every stage is given. Schedules of
+several stages per rank (Interleaved 1F1B, looped BFS, zero bubble, DualPipeV) hold two.
 
-Tied input and output embeddings stay tied: the first stage holds the embedding, the last the head, both the same
-values; their gradients are summed over the pair before the step (Megatron's way), and the norm counts them once.
+Tied input and output embeddings stay tied: on two ranks the first stage holds the embedding, the last the head,
+both the same values, their gradients summed over the pair before the step (Megatron's way) and counted once by
+the norm; on one rank (a V schedule's rank 0) they stay one parameter.
 
 The loss is the token sum of every microbatch times the step's scale (1 / the global target tokens x FSDP's
 average), so any microbatch count gives the step of one process; the schedule scales nothing (`scale_grads`
@@ -39,15 +39,19 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from shardtrain.errors import PipelineError
-from shardtrain.model_facts import IGNORE_INDEX, TIED_ACROSS_STAGES
+from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel import collectives
+from shardtrain.parallel.pipeline_split import StageSplit, active_stage, split_model
 
-# the schedules of torch.distributed.pipelining, by the names `pp_schedule` takes; those of several stages per rank
-# are refused for now (`check_settings`)
+# the schedules of torch.distributed.pipelining, by the names `pp_schedule` takes
 SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
              "LoopedBFS": "ScheduleLoopedBFS", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
              "ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
 SINGLE_STAGE = ("GPipe", "1F1B")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2 pp - 1 - r; the looped ones r and r + pp
+# schedules that split each backward into an input-gradient and a weight-gradient pass
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+STAGES_PER_RANK = 2  # of a multi-stage schedule
 # the inputs every stage is given (the others go to the first stage only, or are refused)
 STAGE_KWARGS = ("attention_mask", "position_ids")
 
@@ -59,31 +63,55 @@ class PipelineSettings:
     schedule: str = "1F1B"
     microbatches: int | None = None
 
-    def microbatches_for(self, stages: int) -> int:
-        return stages if self.microbatches is None else self.microbatches
+    def microbatches_for(self, pp: int) -> int:
+        """`microbatches`, or as many as the pipeline over `pp` ranks has stages."""
+        return self.stage_count(pp) if self.microbatches is None else self.microbatches
+
+    @property
+    def multi_stage(self) -> bool:
+        return self.schedule not in SINGLE_STAGE
+
+    def stage_count(self, pp: int) -> int:
+        """The pipeline's stages over `pp` ranks."""
+        return pp * (STAGES_PER_RANK if self.multi_stage else 1)
+
+    def local_stages(self, pp_rank: int, pp: int) -> tuple[int, ...]:
+        """The stages rank `pp_rank` of `pp` holds, in schedule order."""
+        if not self.multi_stage:
+            return (pp_rank,)
+        if self.schedule in V_SHAPED:
+            return (pp_rank, 2 * pp - 1 - pp_rank)
+        return tuple(pp_rank + k * pp for k in range(STAGES_PER_RANK))
 
 
-def check_settings(settings: PipelineSettings, *, stages: int, per_device_batch: int | None = None) -> None:
-    """Refuse a schedule or microbatch count the pipeline cannot run, with the numbers.
+def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int | None = None) -> None:
+    """Refuse a schedule or microbatch count a pipeline over `pp` ranks cannot run, with the numbers.
 
     Raises:
-        PipelineError: an unknown or multi-stage schedule, microbatches < 1, fewer microbatches than stages
-            under 1F1B, or a micro-batch of fewer rows than microbatches (or not a multiple of them).
+        PipelineError: an unknown schedule, microbatches < 1, fewer microbatches than 1F1B needs (pp) or a V
+            schedule needs (its 2 pp stages), a looped schedule's microbatches that are not a multiple of pp, or
+            a micro-batch that does not split into the microbatches.
     """
     from shardtrain.config.values import closest
 
     if settings.schedule not in SCHEDULES:
         raise PipelineError(f"pp_schedule = {settings.schedule!r} is not a schedule; use one of {list(SCHEDULES)}"
                             f"{closest(settings.schedule, list(SCHEDULES))}")
-    if settings.schedule not in SINGLE_STAGE:
-        raise PipelineError(f"pp_schedule = {settings.schedule!r} runs several stages per rank, which shardtrain "
-                            f"does not split models into yet; use one of {list(SINGLE_STAGE)}")
-    count = settings.microbatches_for(stages)
+    if settings.schedule in SPLIT_BACKWARD:
+        raise PipelineError(
+            f"pp_schedule = {settings.schedule!r} splits each backward into an input-gradient and a weight-gradient "
+            "pass, which needs the stage's unsharded weights after the first; shardtrain's FSDP stages reshard them, "
+            "so it is not supported yet; use one of 'Interleaved1F1B', 'LoopedBFS', '1F1B', 'GPipe'")
+    count = settings.microbatches_for(pp)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise PipelineError(f"pp_microbatches = {settings.microbatches!r} must be an int >= 1")
-    if settings.schedule == "1F1B" and count < stages:
-        raise PipelineError(f"pp_microbatches = {count} is fewer than the {stages} pipeline stages, which 1F1B "
-                            f"needs at least; set pp_microbatches >= {stages}, or pp_schedule 'GPipe'")
+    least = {"1F1B": pp, **dict.fromkeys(V_SHAPED, 2 * pp)}.get(settings.schedule, 1)
+    if count < least:
+        raise PipelineError(f"pp_microbatches = {count} is fewer than the {least} {settings.schedule} needs over "
+                            f"pp_size = {pp} ranks; set pp_microbatches >= {least}, or pp_schedule 'GPipe'")
+    if settings.multi_stage and settings.schedule not in V_SHAPED and count % pp:
+        raise PipelineError(f"pp_microbatches = {count} is not a multiple of pp_size = {pp}, which "
+                            f"{settings.schedule} runs in rounds of; set it to {pp * -(-count // pp)}")
     if per_device_batch is not None and per_device_batch % count:
         raise PipelineError(
             f"per_device_train_batch_size = {per_device_batch} does not split into pp_microbatches = {count} equal "
@@ -91,152 +119,29 @@ def check_settings(settings: PipelineSettings, *, stages: int, per_device_batch:
             "or choose pp_microbatches among its divisors")
 
 
-class Skipped(nn.Module):
-    """A module of another pipeline stage: no parameters; passes its first input through (a layer's hidden
-    states, the norm's input, the head's input)."""
-
-    pipeline_skipped = True  # (read by the layout's stages: nothing to shard or wrap here)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageSplit:
-    """What one rank's stage holds.
-
-    Attributes:
-        stage, stages: this stage's index and the pipeline's stage count.
-        layers: the range of decoder layers it keeps (original indices).
-        tied: the model's input and output embeddings are tied and live on different stages (first: the
-            embedding, last: the head), their gradients summed over the pair.
-        tied_names: (the embedding's weight name, the head's) when `tied`: a checkpoint holds the pair under the
-            embedding's name, as an unsplit model's optimizer does (the last stage publishes its head under it).
-    """
-
-    stage: int
-    stages: int
-    layers: range
-    tied: bool
-    tied_names: tuple[str, str] | None = None
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.stages - 1
-
-
-def layer_ranges(num_layers: int, stages: int) -> list[range]:
-    """An even split of `num_layers` over `stages` (the first stages take one more where it does not divide)."""
-    each, extra = divmod(num_layers, stages)
-    ranges, start = [], 0
-    for stage in range(stages):
-        end = start + each + (stage < extra)
-        ranges.append(range(start, end))
-        start = end
-    return ranges
-
-
-def _pipeline_plan(model: nn.Module) -> tuple[nn.Module, list[str], str, list[str]]:
-    """(base model, its modules before the layers, the layers' name, its modules after them) from the model's
-    `config.base_model_pp_plan`, and the top-level modules of its `_pp_plan` (the head) after those.
-
-    Raises:
-        PipelineError: the model has no plan, or a plan without one list of layers.
-    """
-    config = getattr(model, "config", None)
-    plan = getattr(config, "base_model_pp_plan", None)
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    if not plan or not isinstance(base, nn.Module):
-        raise PipelineError(
-            f"{type(model).__name__} has no pipeline plan (config.base_model_pp_plan), so it cannot be split into "
-            "stages; use a transformers model that declares one (Llama, Qwen2, Qwen3, Mistral, ...), or pp_size 1")
-    names = list(plan)
-    lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
-    if len(lists) != 1:
-        raise PipelineError(f"{type(model).__name__}'s pipeline plan {names} has {len(lists)} lists of layers; "
-                            "shardtrain splits models with exactly one; use pp_size 1")
-    at = names.index(lists[0])
-    head = [n for n in (getattr(model, "_pp_plan", None) or {}) if isinstance(getattr(model, n, None), nn.Module)]
-    return base, names[:at], lists[0], names[at + 1:] + head
-
-
-STAGE_ATTR = "_shardtrain_pipeline_stage"  # the `StageSplit` a split model carries
-
-
-def stage_split(model: nn.Module) -> StageSplit | None:
-    """The stage a split model holds (`split_model`), or None."""
-    return getattr(model, STAGE_ATTR, None)
-
-
-def split_model(model: nn.Module, *, stage: int, stages: int) -> StageSplit:
-    """Keep, in place, what stage `stage` of `stages` runs (see the module docstring); the other stages' modules
-    become `Skipped`. The model carries the `StageSplit` (`stage_split`).
-
-    Raises:
-        PipelineError: a model without a pipeline plan, or fewer layers than stages.
-    """
-    outer = model  # a PEFT model is split through its base model; names (and the split's record) are the outer's
-    if callable(getattr(model, "get_base_model", None)):
-        model = model.get_base_model()
-    base, before, layers_name, after = _pipeline_plan(model)
-    layers = getattr(base, layers_name)
-    if len(layers) < stages:
-        raise PipelineError(f"{type(model).__name__} has {len(layers)} layers, fewer than the pp_size = {stages} "
-                            f"stages (each needs one at least); use pp_size <= {len(layers)}")
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embedding = get_in() if callable(get_in) else None
-    head = get_out() if callable(get_out) else None
-    tied = stages > 1 and embedding is not None and head is not None and \
-        getattr(embedding, "weight", None) is getattr(head, "weight", None)
-    tied_names = None
-    if tied:  # each stage keeps its copy whole (not tensor-parallel), as a tied pair is in one process
-        setattr(embedding, TIED_ACROSS_STAGES, True)
-        setattr(head, TIED_ACROSS_STAGES, True)
-        names = {id(m): n for n, m in outer.named_modules()}
-        tied_names = (f"{names[id(embedding)]}.weight", f"{names[id(head)]}.weight")
-    kept = layer_ranges(len(layers), stages)[stage]
-    for index in range(len(layers)):
-        if index not in kept:
-            layers[index] = Skipped()
-    first, last = stage == 0, stage == stages - 1
-    for name in before if not first else ():
-        setattr(base, name, Skipped())
-    for name in after if not last else ():
-        owner = base if hasattr(base, name) and name not in getattr(model, "_pp_plan", {}) else model
-        setattr(owner, name, Skipped())
-    split = StageSplit(stage=stage, stages=stages, layers=kept, tied=tied, tied_names=tied_names)
-    setattr(outer, STAGE_ATTR, split)
-    return split
-
-
-def published_aliases(model: nn.Module) -> dict[str, str]:
-    """Checkpoint name -> this stage's parameter name, for the entries a stage publishes under another name: the
-    last stage's half of tied embeddings goes under the embedding's name (as one process saves its optimizer
-    state), so that checkpoints of any pipeline size hold the same keys."""
-    split = stage_split(model)
-    if split is None or split.tied_names is None or not split.is_last:
-        return {}
-    embedding, head = split.tied_names
-    return {embedding: head}
+def split_for_rank(model: nn.Module, settings: PipelineSettings, pp_rank: int, pp: int) -> StageSplit:
+    """`model` split in place into the stages pipeline rank `pp_rank` of `pp` holds under `settings`' schedule."""
+    return split_model(model, held=settings.local_stages(pp_rank, pp), stages=settings.stage_count(pp),
+                       ends_on_one_rank=settings.schedule in V_SHAPED)
 
 
 class StageModule(nn.Module):
-    """The module a `PipelineStage` runs: the stage's part of the model, called with `input_ids` (first stage) or
-    the received activations as `inputs_embeds`; returns the logits (last stage) or the hidden states to send.
-    It holds no parameters of its own; FSDP makes it the stage's root unit."""
+    """The module a `PipelineStage` runs: a stage's part of the model, called with `input_ids` (the first stage) or
+    the received activations as `inputs_embeds`; returns the logits (the last stage) or the hidden states to send.
+    It holds no parameters of its own. On a rank of one stage FSDP makes it the stage's root unit; on a rank of
+    several (`split` given) each stage's module runs the one model with only its stage active (`active_stage`)."""
 
-    def __init__(self, model: nn.Module, *, first: bool) -> None:
+    def __init__(self, model: nn.Module, *, first: bool, split: StageSplit | None = None,
+                 stage: int | None = None) -> None:
         super().__init__()
-        self.model, self.first = model, first
+        self.model, self.first, self.split, self.stage = model, first, split, stage
 
     def forward(self, inputs: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         key = "input_ids" if self.first else "inputs_embeds"
-        outputs = self.model(**{key: inputs}, **kwargs, use_cache=False)
+        active = active_stage(self.model, self.split, self.stage) if self.split is not None else \
+            contextlib.nullcontext()
+        with active:
+            outputs = self.model(**{key: inputs}, **kwargs, use_cache=False)
         return outputs.logits if hasattr(outputs, "logits") else outputs[0]
 
 
@@ -264,23 +169,33 @@ class Pipeline:
     @classmethod
     def build(cls, model: nn.Module, split: StageSplit, *, pp_mesh: Any, settings: PipelineSettings,
               device: torch.device, shard_root: Callable[[nn.Module], None]) -> Pipeline:
-        """The stage's `PipelineStage` and schedule over `model` (split and laid out already); `shard_root`
-        makes the stage module the FSDP root (the schedule reduces the gradients once, after the last
-        microbatch)."""
-        root = StageModule(model, first=split.is_first)
-        shard_root(root)
+        """The rank's `PipelineStage`s and the schedule over `model` (split and laid out already).
+
+        One stage per rank: `shard_root` makes the stage module the FSDP root, and the schedule reduces the
+        gradients once, after the last microbatch. Several: the model stays FSDP's root (one model holds both
+        stages), so its gradients are reduced after each microbatch's backward; a forward through the whole
+        model first lets FSDP see every unit before any stage runs with part of it."""
         group = pp_mesh.get_group()
-        stage = PipelineStage(root, split.stage, split.stages, device, group=group)
-        microbatches = settings.microbatches_for(split.stages)
+        if len(split.held) == 1:
+            roots = [StageModule(model, first=split.is_first)]
+            shard_root(roots[0])
+        else:
+            roots = [StageModule(model, first=stage == 0, split=split, stage=stage) for stage in split.held]
+            _initialize_fsdp(model, split, device)
+        stages = [PipelineStage(root, stage, split.stages, device, group=group)
+                  for root, stage in zip(roots, split.held, strict=True)]
+        microbatches = settings.microbatches_for(pp_mesh.size())
         pipeline: Pipeline
         schedule_cls = getattr(torch_schedules, SCHEDULES[settings.schedule])
-        schedule = schedule_cls(stage, n_microbatches=microbatches, loss_fn=lambda out, target: pipeline._loss(
-            out, target), scale_grads=False)
+        schedule = schedule_cls(stages if settings.multi_stage else stages[0], n_microbatches=microbatches,
+                                loss_fn=lambda out, target: pipeline._loss(out, target), scale_grads=False)
         tie_group = _tie_group(split, pp_mesh) if split.tied else None
         config = getattr(model, "config", None)
         pad = getattr(config, "pad_token_id", None)
-        pipeline = cls(split=split, root=root, stage=stage, schedule=schedule, pp_group=group, tie_group=tie_group,
-                       microbatches=microbatches, device=device, pad_token=pad if isinstance(pad, int) else 0)
+        pipeline = cls(split=split, root=roots[0], stage=stages[0], schedule=schedule, pp_group=group,
+                       tie_group=tie_group, microbatches=microbatches, device=device,
+                       pad_token=pad if isinstance(pad, int) else 0)
+        pipeline.model, pipeline.stages = model, stages
         return pipeline
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -313,9 +228,12 @@ class Pipeline:
         ids = batch["input_ids"]
         rows, columns = self._step or self._agreed_shape(*ids.shape)
         if self._shape is not None and self._shape != (rows, columns):
-            # the stages infer the activations' shapes again (every rank at once: the shape is agreed)
-            self.schedule._stage_forward_initialized = False
-            self.schedule._stage_backward_initialized = False
+            # the stages infer the activations' shapes again (every rank at once: the shape is agreed); torch's
+            # flags, of a schedule of one stage per rank and of several
+            for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
+                         "_stages_forward_initialized", "_stages_backward_initialized"):
+                if hasattr(self.schedule, flag):
+                    setattr(self.schedule, flag, False)
         self._shape = (rows, columns)
         extra_rows, extra_columns = rows - ids.shape[0], columns - ids.shape[1]
         if not extra_rows and not extra_columns:
@@ -374,7 +292,7 @@ class Pipeline:
         """This stage's copy of tied embeddings (the first stage's embedding, the last's head), or None."""
         if not self.split.tied or not (self.split.is_first or self.split.is_last):
             return None
-        model = self.root.model
+        model = self.model
         module = model.get_input_embeddings() if self.split.is_first else model.get_output_embeddings()
         return module.weight
 
@@ -396,14 +314,30 @@ class Pipeline:
 
 
 def _tie_group(split: StageSplit, pp_mesh: Any) -> Any:
-    """The process group of this rank's first and last stage (same place in their stages); collective."""
-    if split.stages == 2:
+    """The process group of the ranks of the first and the last stage at this rank's place in its stage (pipeline
+    ranks 0 and pp - 1); collective."""
+    pp = pp_mesh.size()
+    if pp == 2:
         return pp_mesh.get_group()
-    world, stages = dist.get_world_size(), split.stages
-    per_stage = world // stages
-    pairs = [[rank, rank + (stages - 1) * per_stage] for rank in range(per_stage)]
+    per_stage = dist.get_world_size() // pp
+    pairs = [[rank, rank + (pp - 1) * per_stage] for rank in range(per_stage)]
     group, _ = dist.new_subgroups_by_enumeration(pairs)
     return group
+
+
+def _initialize_fsdp(model: nn.Module, split: StageSplit, device: torch.device) -> None:
+    """One forward of a token through every module `model` holds (no gradient), so that FSDP's root sees all its
+    units before a stage's forward leaves some of them out (`active_stage`); collective over the FSDP ranks."""
+    from shardtrain.parallel.fsdp import reshard_all
+
+    token = torch.zeros((1, 1), dtype=torch.long, device=device)
+    with torch.no_grad():
+        if split.is_first:
+            model(input_ids=token, use_cache=False)
+        else:
+            hidden = model.config.hidden_size
+            model(inputs_embeds=torch.zeros((1, 1, hidden), device=device), use_cache=False)
+    reshard_all(model)
 
 
 def _pad(tensor: torch.Tensor, rows: int, columns: int, value: int) -> torch.Tensor:

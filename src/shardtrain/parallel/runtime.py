@@ -74,7 +74,7 @@ class Runtime:
                                     local_world_size=spec.local_world_size or backend.world_size, **spec.sizes)
         if dims.pp > 1:  # before the meshes: a schedule that cannot run is one line on every rank
             check_settings(PipelineSettings(schedule=spec.pp_schedule, microbatches=spec.pp_microbatches),
-                           stages=dims.pp)
+                           pp=dims.pp)
         meshes = dims.build(backend.host_device_type)
         backend.check(model, dims)
         cp = ContextParallel(meshes.cp, recompute=spec.cp_regather_kv) if dims.cp > 1 else None

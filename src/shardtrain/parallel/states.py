@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtrain import model_facts
 from shardtrain.parallel import collectives
-from shardtrain.parallel.pipeline import published_aliases, stage_split
+from shardtrain.parallel.pipeline_split import published_aliases, stage_split
 
 # Prefixes that wrappers add to parameter names: activation checkpointing, torch.compile, torch_xla's SPMD
 # FSDP and its v1 wrapper. Checkpoints use the names without them.
@@ -76,7 +76,7 @@ def gather_stages(model: nn.Module, stage_state: dict[str, torch.Tensor]) -> dic
     rank 0 (empty elsewhere); collective. Each stage's first rank sends its part (in memory, between this run's
     own ranks)."""
     split = stage_split(model)
-    rank, per_stage = dist.get_rank(), dist.get_world_size() // split.stages
+    rank, per_stage = dist.get_rank(), dist.get_world_size() * len(split.held) // split.stages
     mine = {k: v.detach().cpu() for k, v in stage_state.items()} if rank % per_stage == 0 else {}
     parts = collectives.gather_objects(mine)
     return {k: v for part in parts for k, v in part.items()} if rank == 0 else {}
@@ -127,7 +127,7 @@ class TorchStates:
 
     def model_state(self) -> dict[str, Any]:
         """This rank's part of the model, keyed by parameter name (DTensors under FSDP2); a pipeline stage's
-        half of tied embeddings also under the embedding's name (`pipeline.published_aliases`)."""
+        half of tied embeddings also under the embedding's name (`pipeline_split.published_aliases`)."""
         state = get_model_state_dict(self.model, options=self._options)
         for published, own in self._published.items():
             if own in state:

@@ -124,7 +124,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = N
     tied = tied_embedding_modules(model)
     chosen: dict[str, Any] = {}
     names = [name for name, _ in model.named_modules()]
-    # another pipeline stage's modules (`pipeline.Skipped`): matched by the plan, left alone
+    # another pipeline stage's modules (`pipeline_split.Skipped`): matched by the plan, left alone
     skipped = {name for name, module in model.named_modules() if getattr(module, "pipeline_skipped", False)}
     for pattern, style_name in plan.items():
         style = _style(style_name)

@@ -3,8 +3,8 @@
 torchrun --nproc_per_node 2 train_run.py '[{"out": "OUT_DIR", "per_device_train_batch_size": 4, "max_steps": 10}]'
 Jobs run one after the other in this process group (each with a fresh model and Trainer: a resume job reads
 everything from disk), which saves a process start per job. Keys besides TrainingArguments fields: "out",
-"model" (llama | llama_tied | llama_dropout: 4 layers, tied, attention dropout 0.1 | bert | gpt2: GPT-2 with
-dropout 0.1 and tied embeddings), "dataset_size",
+"model" (llama | llama_tied | llama_tied4: 4 layers | llama_dropout: 4 layers, tied, attention dropout 0.1 | bert |
+gpt2: GPT-2 with dropout 0.1 and tied embeddings), "dataset_size",
 "resume" (passed to train()), "stop_after" (a callback stops the run after that step), "save_model" (dir),
 "probe" (the final model's logits on a fixed batch go to OUT/probe.pt), "random_collator" (a collator that
 masks 20 % of the input tokens at random), "checkpoint_fault" (a dict, for save_async tests: "delay_s" starts
@@ -67,6 +67,8 @@ def build(name: str, seed: int = 0, vocab: int = 64):
         return tiny_qwen3_moe(experts=2), None
     if name == "llama_dropout":  # tied embeddings, attention dropout 0.1 (pipeline-parallel tests)
         return tiny_llama(seed=seed, tie=True, vocab=vocab, layers=4, attention_dropout=0.1), None
+    if name == "llama_tied4":  # 4 layers: a pipeline of 2 ranks x 2 stages has one per stage
+        return tiny_llama(seed=seed, tie=True, vocab=vocab, layers=4), None
     return tiny_llama(seed=seed, tie=name == "llama_tied", vocab=vocab), None
 
 

@@ -22,7 +22,7 @@ from shardtrain.checkpoint.hf_files import write_beside_model
 from shardtrain.checkpoint.model_state import model_config_dict
 from shardtrain.errors import CheckpointError, OutputDirError, TrainingArgumentsError
 from shardtrain.parallel.collectives import agree
-from shardtrain.parallel.pipeline import stage_split
+from shardtrain.parallel.pipeline_split import stage_split
 from shardtrain.parallel.states import TorchStates, gather_stages
 from shardtrain.train.args.hf_methods import owner
 from shardtrain.train.data.validation import writable_problem

@@ -26,7 +26,8 @@ from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.fsdp import shard_stage_root
 from shardtrain.parallel.layout import apply_layout
 from shardtrain.parallel.loading import load_pretrained
-from shardtrain.parallel.pipeline import Pipeline, stage_split
+from shardtrain.parallel.pipeline import Pipeline
+from shardtrain.parallel.pipeline_split import stage_split
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.model.lora import add_adapters, is_peft_model
 from shardtrain.train.step.loss import LossComputer, is_causal_lm
