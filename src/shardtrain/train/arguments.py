@@ -107,8 +107,7 @@ class TrainingArguments(transformers.TrainingArguments):
     ep_size: int | None = _help("expert-parallel size (MoE experts spread over ep ranks)")
     pp_size: int | None = _help("pipeline-parallel size (the model's layers split into pp stages)")
     pp_schedule: str = field(default="1F1B", metadata={"help": "pipeline schedule: GPipe, 1F1B, Interleaved1F1B, "
-                                                                 "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, "
-                                                                 "DualPipeV"})
+                                                                 "LoopedBFS"})
     pp_microbatches: int | None = _help("pipeline microbatches per micro-batch (default: the stages in flight)")
     save_async: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
     loss_chunk_size: int | str | None = _help("tokens per chunk of LM head + cross entropy; 'auto'; None: off")
