@@ -124,3 +124,15 @@ def test_pipeline_is_the_outermost_dimension():
         ParallelDims.resolve(world_size=4, pp=2, cp=2)
     with pytest.raises(ParallelDimsError, match="pp_size = 2 with ep_size = 2"):
         ParallelDims.resolve(world_size=4, pp=2, ep=2)
+
+
+def test_a_pipeline_names_its_stages():
+    from shardtrain.parallel.pipeline import Pipeline
+    from shardtrain.parallel.pipeline_split import StageSplit
+
+    pipeline = Pipeline.__new__(Pipeline)
+    pipeline.split = StageSplit(held=(1, 3), stages=4, layers=(range(2, 4), range(6, 7)), tied=False)
+    assert pipeline.describe() == "pipeline stages 1 and 3 of 4 (layers 2-3, 6) on rank 0"
+    with pytest.raises(RuntimeError, match=r"^pipeline stages 1 and 3 of 4 .*: ValueError: peer gone"):
+        with pipeline._named():
+            raise ValueError("peer gone")

@@ -249,6 +249,23 @@ class Pipeline:
             out["position_ids"] = positions
         return out, _pad(targets, extra_rows, extra_columns, IGNORE_INDEX)
 
+    def describe(self) -> str:
+        """Which stages this rank runs, e.g. "pipeline stages 1 and 3 of 4 (layers 1, 3) on rank 1"."""
+        held = " and ".join(map(str, self.split.held))
+        layers = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in self.split.layers)
+        return (f"pipeline stage{'s' if len(self.split.held) > 1 else ''} {held} of {self.split.stages} (layers "
+                f"{layers}) on rank {collectives.get_rank()}")
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        """An error of the schedule (a peer gone, a collective timed out) names the stage it stopped."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, MemoryError):
+            raise  # (auto_find_batch_size reads its type)
+        except Exception as err:
+            raise RuntimeError(f"{self.describe()}: {type(err).__name__}: {err}") from err
+
     @staticmethod
     def _check_keys(batch: dict[str, Any]) -> None:
         unknown = sorted(k for k in batch if k not in ("input_ids", *STAGE_KWARGS))
@@ -266,7 +283,8 @@ class Pipeline:
         kwargs = {k: batch[k] for k in STAGE_KWARGS if k in batch}
         args = (batch["input_ids"],) if self.split.is_first else ()
         target = targets if self.split.is_last else None
-        self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        with self._named():
+            self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         # (the stages' shape inference calls the loss too, before the microbatches: those calls are not losses)
         sums = self._inputs.sums[-self.microbatches:] if self.split.is_last else []
         return torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
@@ -283,7 +301,8 @@ class Pipeline:
         self._inputs = _StepInputs()
         kwargs = {k: batch[k] for k in STAGE_KWARGS if k in batch}
         args = (batch["input_ids"],) if self.split.is_first else ()
-        logits = self.schedule.eval(*args, target=targets if self.split.is_last else None, **kwargs)
+        with self._named():
+            logits = self.schedule.eval(*args, target=targets if self.split.is_last else None, **kwargs)
         if not self.split.is_last:
             return torch.zeros((), device=self.device), None
         return torch.stack(self._inputs.sums[-self.microbatches:]).sum(), logits[:rows, :columns]
