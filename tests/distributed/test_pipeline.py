@@ -82,8 +82,11 @@ def runs(tmp_path_factory):
         {"out": str(root / "dropout-resumed"), **dropout, **saved, "stop_after": 5},
         {"out": str(root / "lora"), **lora, "save_model": str(root / "lora-adapter")},
         {"out": str(root / "lora-resumed"), **lora, **saved, "stop_after": 5}]), timeout=300)
+    # epoch ends: 20 samples, 16 per step (2 accumulation steps): short steps, placeholder micro-batches
+    short = {"dataset_size": 20, "max_steps": 6, "model": "llama_tied4", "per_device_train_batch_size": 4}
     torchrun(RUN, 4, json.dumps([{"out": str(root / "pp2dp2"), "per_device_train_batch_size": 4, **PP2, **SHARDED,
-                                  **saved, "predict": True, "save_model": str(root / "pp2dp2-model")}]),
+                                  **saved, "predict": True, "save_model": str(root / "pp2dp2-model")},
+                                 {"out": str(root / "epoch-ends"), **short, **PP2, "gradient_accumulation_steps": 2}]),
              timeout=300)
     torchrun(RUN, 2, json.dumps([
         {"out": str(root / "pp-to-dp"), "per_device_train_batch_size": 4, **SHARDED,
@@ -99,7 +102,8 @@ def runs(tmp_path_factory):
     python(RUN, json.dumps([{"out": str(root / "one"), "per_device_train_batch_size": 8, "model": "llama_tied4",
                              "predict": True, "save_model": str(root / "one-model")},
                             {"out": str(root / "lora-one"), "lora": True, "per_device_train_batch_size": 4,
-                             "save_model": str(root / "lora-one-adapter")}]))
+                             "save_model": str(root / "lora-one-adapter")},
+                            {"out": str(root / "epoch-ends-one"), **short, "gradient_accumulation_steps": 4}]))
     return root
 
 
@@ -120,6 +124,13 @@ def test_pipeline_by_fsdp_equals_one_process_in_training_and_evaluation(runs):
     assert torch.allclose(got["predictions"], ref["predictions"], atol=1e-4, rtol=0)
     assert torch.equal(got["label_ids"], ref["label_ids"])
     assert got["metrics"]["test_accuracy"] == ref["metrics"]["test_accuracy"]
+
+
+def test_epoch_ends_with_placeholder_micro_batches_equal_one_process(runs):
+    got, ref = _result(runs / "epoch-ends"), _result(runs / "epoch-ends-one")
+    assert len(got["losses"]) == 6
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-6)
 
 
 def test_save_model_under_a_pipeline_writes_one_hugging_face_model(runs):

@@ -223,13 +223,12 @@ class EvalLoop:
                     own = self.loss.uses_model_loss(inputs)
                     if own and 0 < real < len(indices):  # the model's mean loss: over real samples only
                         inputs = _first_rows(inputs, real)
-                    self.loss.current = EVAL_PLACEHOLDER if own and real == 0 else None
-                    # the logits only when predictions are collected from them (else a chunked loss may run)
-                    loss_sum, logits = self.loss.forward(inputs, keep_logits=with_predictions
-                                                         and self.generate is None)
-                    totals[0] += loss_sum.double()
-                    totals[1] += self.loss.items(inputs).double()
-                    self.loss.current = None
+                    with self.loss.running(EVAL_PLACEHOLDER if own and real == 0 else None):
+                        # the logits only when predictions are collected from them (else a chunked loss may run)
+                        loss_sum, logits = self.loss.forward(inputs, keep_logits=with_predictions
+                                                             and self.generate is None)
+                        totals[0] += loss_sum.double()
+                        totals[1] += self.loss.items(inputs).double()
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
                 if with_predictions and self.generate is not None:

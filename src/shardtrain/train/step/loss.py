@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -209,6 +210,16 @@ class LossComputer:
         if labels.dim() > 1 and self.shift_labels:
             return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         return labels
+
+    @contextlib.contextmanager
+    def running(self, micro: MicroStep | None) -> Iterator[None]:
+        """`micro` as the micro-step in progress while the block runs (`current`): code with Hugging Face's
+        signatures (`training_step`, a library's `compute_loss`) reads it there; None after."""
+        self.current = micro
+        try:
+            yield
+        finally:
+            self.current = None
 
     @property
     def placeholder(self) -> bool:

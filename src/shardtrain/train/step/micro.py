@@ -1,7 +1,7 @@
 """`MicroStep`: one micro-batch of an optimizer step and the facts its forward and backward need, in one
 immutable object. `OptimizerStep` makes it, hands it to its hooks and holds it as the loss's `current`
-micro-step while the hooks run: code with Hugging Face's signatures (`training_step`, a library's
-`compute_loss`, Accelerate's `gather_for_metrics`) cannot be handed it, so it reads it there.
+micro-step while the hooks run (`LossComputer.running`): code with Hugging Face's signatures (`training_step`, a
+library's `compute_loss`, Accelerate's `gather_for_metrics`) cannot be handed it, so it reads it there.
 """
 
 from __future__ import annotations

@@ -138,11 +138,8 @@ class OptimizerStep:
                     self.model.set_requires_gradient_sync(index == last)
                 micro = MicroStep(batch=batch, index=index, count=len(batches), num_items=num_items,
                                   grad_scale=grad_scale, placeholder=placeholders[index])
-                self.loss.current = micro  # for code with Hugging Face's signatures (a placeholder weighs 0)
-                try:
+                with self.loss.running(micro):  # for code with Hugging Face's signatures (a placeholder weighs 0)
                     loss_sum += hooks.micro_step(micro)
-                finally:
-                    self.loss.current = None
                 if index < last:
                     hooks.between_micro_steps()
         if self.dims.ep > 1:
