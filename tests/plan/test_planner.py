@@ -234,3 +234,27 @@ def test_experts_grouped_matmuls_and_expert_parallel_exchange():
     pairs = tokens * 2
     assert ep2.trace.collective_bytes["all_to_all_single"] == 4 * layers * pairs * hidden * 4
     assert "all_to_all_single" not in ep1.trace.collective_bytes
+
+
+def test_a_pipeline_stage_holds_its_layers_and_its_microbatches_in_flight():
+    """pp 2 on 2 ranks: each rank holds half the model (as FSDP over 2 does); the stage that peaks is traced with
+    the microbatches it holds at once (1F1B: 2 of 4 on stage 0; GPipe: all 4), and the bubble lengthens the step."""
+    config = tiny_config(num_hidden_layers=4)
+    fsdp = quick(config, world_size=2, per_device_batch=4)
+    one_f_one_b = quick(config, world_size=2, per_device_batch=4, pp=2, pp_microbatches=4)
+    gpipe = quick(config, world_size=2, per_device_batch=4, pp=2, pp_schedule="GPipe", pp_microbatches=4)
+    assert one_f_one_b.settings["parallel"].startswith("pp 2 x dp_replicate 1 x dp_shard 1")
+    assert one_f_one_b.settings["pipeline"] == {"schedule": "1F1B", "microbatches": 4, "stage_traced": 0,
+                                               "microbatches_in_flight": 2, "bubble": 0.2}
+    state = sum(fsdp.trace.state.values())
+    assert abs(sum(one_f_one_b.trace.state.values()) - state) < 0.2 * state  # half the model each, either way
+    activations = {name: sum(v for k, v in p.trace.peak_breakdown.items() if k in ("Activation", "Temp"))
+                   for name, p in (("1F1B", one_f_one_b), ("GPipe", gpipe), ("fsdp", fsdp))}
+    assert activations["1F1B"] < activations["GPipe"] < activations["fsdp"]  # fewer layers, fewer in flight
+    timed = plan(config, world_size=2, per_device_batch=4, seq_len=16, pp=2, pp_microbatches=4, target="cpu",
+                 what_if=False, tflops=1.0, link_gbps=1.0, fsdp_config=LAYERS)
+    step = timed.step
+    assert step["pipeline_bubble"] == 0.2
+    assert step["step_s_no_overlap"] == pytest.approx((step["compute_s"] + step["comm_s"]) / 0.8)
+    with pytest.raises(Exception, match="the planner models"):
+        quick(config, world_size=2, per_device_batch=4, pp=2, pp_schedule="Interleaved1F1B")

@@ -73,6 +73,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the model's own tp plan)")
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; the token exchange "
                       "assumes uniform routing)")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (the model's own pp plan)")
+    plan.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule: 1F1B or GPipe")
+    plan.add_argument("--pp-microbatches", type=int, help="pipeline microbatches (default: pp)")
     plan.add_argument("--batch", type=int, default=1, help="per-device batch (samples)")
     plan.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens")
     plan.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (micro-batches per step)")
@@ -138,6 +141,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         result = plan(args.model, fsdp_config=args.fsdp_config, world_size=args.world_size,
                       dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp, tp=args.tp, ep=args.ep,
+                      pp=args.pp, pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                       per_device_batch=args.batch, seq_len=args.seq_len, gradient_accumulation_steps=args.grad_accum,
                       bf16=args.bf16,
                       activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,

@@ -68,7 +68,8 @@ def _lifecycle(trace: StepTrace, config: FSDPConfig, world_size: int, target: st
 def plan(model: str | os.PathLike | nn.Module | Any, *,
          fsdp_config: dict | str | os.PathLike | FSDPConfig | None = None,
          world_size: int | None = None, dp_replicate: int | None = None, dp_shard: int | None = None, cp: int = 1,
-         tp: int = 1, ep: int = 1, per_device_batch: int = 1, seq_len: int = 2048, gradient_accumulation_steps: int = 1,
+         tp: int = 1, ep: int = 1, pp: int = 1, pp_schedule: str = "1F1B", pp_microbatches: int | None = None,
+         per_device_batch: int = 1, seq_len: int = 2048, gradient_accumulation_steps: int = 1,
          bf16: bool = False,
          activation_checkpointing: bool | str | None = None, cpu_offload: bool | None = None,
          reshard_after_forward: bool | None = None, optimizer: str = "adamw_torch_fused", lora_rank: int = 0,
@@ -87,6 +88,10 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         cp: context-parallel size.
         tp: tensor-parallel size.
         ep: expert-parallel size.
+        pp: pipeline-parallel size (the outermost dimension); `pp_schedule` ("1F1B" or "GPipe") and
+            `pp_microbatches` as the Trainer's. The stage traced is the first or the last, whichever peaks higher,
+            with the activations of the microbatches it holds in flight (`plan.pipeline_estimate`); the step time
+            is that stage's, over 1 - the schedule's bubble.
         per_device_batch: the samples one rank sees per micro-batch.
         seq_len: their full sequence length (cp splits it).
         gradient_accumulation_steps: micro-batches per step (> 1: unsharded gradients stay between them).
@@ -130,9 +135,9 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
     config = _fsdp_config(fsdp_config, {"activation_checkpointing": activation_checkpointing,
                                         "cpu_offload": cpu_offload, "reshard_after_forward": reshard_after_forward})
     if world_size is None:
-        world_size = (dp_replicate or 1) * (dp_shard or 1) * cp * tp
+        world_size = (dp_replicate or 1) * (dp_shard or 1) * cp * tp * pp
     dims = ParallelDims.resolve(world_size=_positive("world_size", world_size), dp_replicate=dp_replicate,
-                                dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, fsdp_config=config)
+                                dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, pp=pp, fsdp_config=config)
     if seq_len % (2 * dims.cp) and dims.cp > 1:
         raise PlanError(f"seq_len = {seq_len} with cp = {dims.cp}: context parallelism splits each sequence into "
                         f"2 x cp chunks; use a multiple of {2 * dims.cp}")
@@ -148,7 +153,11 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
                       mixed_precision=precision, optimizer=optimizer, lora_rank=lora_rank,
                       backend="gloo" if target == "cpu" else "nccl", gradient_accumulation_steps=accumulation,
                       loss_chunk_size=loss_chunk_size)
-    trace = trace_step(build, setup)
+    pipeline = None
+    if dims.pp > 1:
+        setup, trace, pipeline = _pipeline_stage(build, setup, pp_schedule, pp_microbatches)
+    else:
+        trace = trace_step(build, setup)
     ac_traces = {config.ac_mode: trace}
     if what_if and trace.units:
         # the same step under each other mode: selective AC's policy runs inside the traced checkpoint wrappers
@@ -164,6 +173,8 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
                 "optimizer": optimizer, "lora_rank": lora_rank, "target": target, "backend": setup.backend,
                 "loss_chunk_size": trace.loss_chunk_size,
                 "fsdp_config": {k: v for k, v in config.to_dict().items() if k in kept}}
+    if pipeline is not None:
+        settings["pipeline"] = pipeline
     peak = device_peak(trace, config.cpu_offload, target)
     result = Plan(model=name, settings=settings, trace=trace, rows=memory_rows(trace, ac_traces),
                   peak=peak, what_if_ac=other, ac_traces=ac_traces,
@@ -180,6 +191,40 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         if target == "cpu":  # the threads one rank trains with: launchers give each of several ranks one
             threads = int(os.environ.get("OMP_NUM_THREADS") or 0) or (1 if dims.world_size > 1 else None)
         device = "cuda" if target == "cuda" and torch.cuda.is_available() else "cpu"
-        result.step = step_time(trace, Rates.resolve(tflops, link_gbps, device, gemm=trace.gemm, threads=threads,
+        # a pipeline stage computes every microbatch of the micro-batch (the trace held those in flight at once)
+        timed = trace if pipeline is None else dataclasses.replace(
+            trace, flops=int(trace.flops * per_device_batch / setup.per_device_batch))
+        result.step = step_time(timed, Rates.resolve(tflops, link_gbps, device, gemm=trace.gemm, threads=threads,
                                                   dtype=COMPUTE_DTYPES.get(precision, torch.float32)))
+        if pipeline is not None:  # the stage idles for the schedule's bubble
+            result.step["pipeline_bubble"] = pipeline["bubble"]
+            result.step["step_s_no_overlap"] /= 1 - pipeline["bubble"]
+            result.step["step_s_full_overlap"] /= 1 - pipeline["bubble"]
     return result
+
+
+def _pipeline_stage(build: Any, setup: StepSetup, schedule: str, microbatches: int | None
+                    ) -> tuple[StepSetup, StepTrace, dict[str, Any]]:
+    """The traced step of the pipeline stage that peaks higher, the first (the most microbatches in flight under
+    1F1B, the embeddings) or the last (the head and the logits): each traced with the rows of the microbatches it
+    holds at once (`pipeline_estimate.in_flight`). Returns (its setup, its trace, what the plan reports)."""
+    from shardtrain.parallel.pipeline import PipelineSettings, check_settings
+    from shardtrain.plan.pipeline_estimate import FILL_DRAIN, bubble_fraction, in_flight
+
+    dims = setup.dims
+    settings = PipelineSettings(schedule=schedule, microbatches=microbatches)
+    check_settings(settings, pp=dims.pp, per_device_batch=setup.per_device_batch)
+    if schedule not in FILL_DRAIN:
+        raise PlanError(f"pp_schedule = {schedule!r}: the planner models {list(FILL_DRAIN)}")
+    count = settings.microbatches_for(dims.pp)
+    best = None
+    for stage in (0, dims.pp - 1):
+        held = in_flight(schedule, stages=dims.pp, microbatches=count, stage=stage)
+        staged = dataclasses.replace(setup, pipeline=settings, rank=stage * dims.stage_size,
+                                     per_device_batch=setup.per_device_batch // count * held)
+        trace = trace_step(build, staged)
+        if best is None or trace.peak > best[1].peak:
+            best = staged, trace, {"schedule": schedule, "microbatches": count, "stage_traced": stage,
+                                   "microbatches_in_flight": held,
+                                   "bubble": bubble_fraction(schedule, stages=dims.pp, microbatches=count)}
+    return best

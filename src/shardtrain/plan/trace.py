@@ -34,6 +34,8 @@ from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import PlanError
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
+from shardtrain.parallel.pipeline import PipelineSettings
+from shardtrain.parallel.pipeline_split import stage_split
 from shardtrain.plan.experts import GroupedMmShapes
 from shardtrain.plan.lifecycle import TensorLayout, tensor_layout
 from shardtrain.plan.model_source import to_fake
@@ -86,6 +88,8 @@ class StepSetup:
     backend: str = "nccl"
     gradient_accumulation_steps: int = 1
     loss_chunk_size: int | str | None = None  # as TrainingArguments.loss_chunk_size
+    pipeline: PipelineSettings | None = None  # pp > 1: the schedule (`plan.pipeline_estimate` says what is traced)
+    rank: int = 0  # the fake rank traced (under pp: the first rank of the stage traced)
 
 
 @dataclass
@@ -129,9 +133,13 @@ def _sum(snap: dict[str, int], keys: tuple[str, ...]) -> int:
     return sum(snap.get(k, 0) for k in keys)
 
 
-def _batch(setup: StepSetup, vocab: int, cp: Any) -> dict[str, Any]:
+def _batch(setup: StepSetup, vocab: int, cp: Any, hidden: int | None = None) -> dict[str, Any]:
+    """The traced micro-batch; `hidden`: a pipeline stage after the first, given the activations it receives."""
     ids = torch.randint(0, max(vocab, 2), (setup.per_device_batch, setup.seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if hidden is not None:
+        batch["inputs_embeds"] = torch.zeros(setup.per_device_batch, setup.seq_len, hidden, requires_grad=True)
+        del batch["input_ids"]
     if cp is not None:
         batch = cp.shard(batch, shift_labels=True, pad_token_id=0)
     return batch
@@ -159,7 +167,8 @@ def _prepare(model: nn.Module, setup: StepSetup, meshes: Meshes) -> tuple[nn.Mod
     layout = Layout(meshes=meshes, dims=setup.dims, fsdp=setup.fsdp_config,
                     mixed_precision=setup.mixed_precision if setup.mixed_precision != "no" else None,
                     ep_implementation=register_uniform_all_to_all() if setup.dims.ep > 1 else "all_to_all",
-                    cp=ContextParallel(meshes.cp) if setup.dims.cp > 1 else None)
+                    cp=ContextParallel(meshes.cp) if setup.dims.cp > 1 else None,
+                    pipeline=setup.pipeline or PipelineSettings())
     return apply_layout(model, layout), layout.cp
 
 
@@ -285,7 +294,7 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
     # init_process_group wraps sys.excepthook to prefix "[rank0]: " and destroy does not unwrap it: without the
     # restore below every traced layout ("auto" traces ~10) added one more prefix to the run's error line
     excepthook = sys.excepthook
-    dist.init_process_group("fake", rank=0, world_size=setup.dims.world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=setup.rank, world_size=setup.dims.world_size, store=FakeStore())
     try:
         meshes = setup.dims.build("cpu")
         meta_model = with_adapters(build(), setup.lora_rank)
@@ -298,7 +307,9 @@ def trace_step(build: Callable[[], nn.Module], setup: StepSetup) -> StepTrace:
             chunk = resolve_chunk_size(setup.loss_chunk_size, model, tensor_parallel=setup.dims.tp > 1)
             loss = LossComputer(model, torch.device("cpu"), chunk_size=chunk)
             vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
-            batch = _batch(setup, vocab, cp)
+            split = stage_split(model)  # a pipeline stage after the first takes activations (its loss: a stand-in)
+            hidden = model.config.hidden_size if split is not None and not split.is_first else None
+            batch = _batch(setup, vocab, cp, hidden)
             samples = setup.per_device_batch * setup.dims.batch_size * setup.gradient_accumulation_steps
             # Gradient accumulation as the Trainer does it: no reduce-scatter before the last micro-batch, so the
             # unsharded gradients stay; memory repeats after the second micro-batch, which is all we trace.
