@@ -13,7 +13,9 @@ token ids (fixed length, no padding) and the same per-rank batch of `--batch` se
     micro-batch; the global batch is the batch (both stages see the same samples).
 
 Measured per rank: the bytes of its parameters, gradients and optimizer state (local shards, at the second step),
-against `plan.pipeline_estimate.stage_state_bytes` of the stage's parameters; the process's peak RSS; the median
+against `plan.pipeline_estimate.stage_state_bytes` of the stage's parameters and the planner's traced state
+(`shardtrain.plan(..., pp=2)`: the stage that peaks, with the microbatches it holds in flight; its tensor peak is
+reported too, next to the process's peak RSS, which also holds the runtime); the process's peak RSS; the median
 step time after warm-up and tokens per second (global tokens / step time). For the pipeline modes, the idle
 share of the schedule: 1 - (time in the stage's forward and backward chunks) / (time in `schedule.step`), each
 rank's, next to the bubble (p - 1) / (m + p - 1) (`plan.pipeline_estimate.bubble_fraction`). On 2 CPU cores each
@@ -134,6 +136,20 @@ def worker(cli: argparse.Namespace) -> None:
     destroy_distributed()
 
 
+def planned(mode: str, cli: argparse.Namespace) -> dict[str, Any]:
+    """`shardtrain.plan` of the same run (target cpu, no step time): the traced stage's state and tensor peak."""
+    import shardtrain
+
+    pp = {}
+    if mode != "fsdp":
+        schedule, microbatches = mode.split("_m")
+        pp = {"pp": 2, "pp_schedule": schedule, "pp_microbatches": int(microbatches)}
+    result = shardtrain.plan(build_model(), world_size=2, per_device_batch=cli.batch, seq_len=cli.seq,
+                             target="cpu", estimate_step_time=False, what_if=False, **pp)
+    return {"state_bytes": sum(result.trace.state.values()), "tensor_peak_bytes": result.trace.peak,
+            "pipeline": result.settings.get("pipeline")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -160,6 +176,7 @@ def main() -> None:
     for mode in modes:
         print(f"[pipeline] {mode}", file=sys.stderr, flush=True)
         runs[mode] = launch_self(__file__, 2, ["--mode", mode, *passed], f"mode {mode}")
+        runs[mode]["planner"] = planned(mode, cli)
     emit({"benchmark": "pipeline", "settings": vars(cli) | {"worker": None}, "runs": runs}, cli.out)
 
 
