@@ -49,7 +49,7 @@ def test_two_stages_equal_one_process_with_tied_embeddings(tmp_path, schedule, m
     assert any(k.startswith("model.layers.3.") for k in last["keys"])
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
 def test_pipeline_by_fsdp_equals_one_process(tmp_path, schedule):
     results = run(tmp_path, 4, "2", schedule, "2", "1", "2")
     assert results[0]["layout"].startswith("pp 2 x dp_replicate 1 x dp_shard 2")
@@ -178,3 +178,11 @@ def test_lora_under_a_pipeline_equals_one_process_and_resumes_bit_identically(ru
     assert adapters.keys() == expected.keys() and any(".layers.1." in k for k in adapters)
     for key, value in expected.items():
         assert torch.allclose(adapters[key], value, atol=1e-6, rtol=0), key
+
+
+def test_a_pipeline_loads_its_stages_from_a_directory_and_from_rank0(tmp_path):
+    torchrun(Path(__file__).parent / "workers" / "pipeline_loading.py", 2, str(tmp_path), timeout=300)
+    got = json.loads((tmp_path / "losses.json").read_text())
+    assert len(got["memory"]) == 3
+    assert got["directory"] == pytest.approx(got["memory"], rel=1e-6, abs=0)
+    assert got["rank0"] == pytest.approx(got["memory"], rel=1e-6, abs=0)

@@ -37,8 +37,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.model_facts import model_class_from_config
+from shardtrain.parallel import collectives
 from shardtrain.parallel.fsdp import apply_fsdp
 from shardtrain.parallel.hf_conversion import ReadPlan, ReadStats, plan_read, read_fused, safetensors_index
+from shardtrain.parallel.pipeline_split import stage_split
+from shardtrain.parallel.states import TorchStates
 
 try:  # torch >= 2.8 (pyproject allows 2.6): without it, cpu_ram_efficient_loading keeps the rank-0 path
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -211,9 +214,25 @@ def fill_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor], devic
         full_state = {}
         if has_meta_tensors(model):
             model.to_empty(device=device)
+    if stage_split(model) is not None:  # pipeline stages hold different keys: one tensor at a time, by name
+        TorchStates(model, None).load_full_model_state(full_state)
+        _broadcast_buffers_by_name(model)
+        return  # (the split keeps tied embeddings itself)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=True))
     for buffer in model.buffers():  # includes non-persistent buffers, which no state dict carries
         dist.broadcast(buffer.data, src=0)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def _broadcast_buffers_by_name(model: nn.Module) -> None:
+    """Rank 0's buffers (non-persistent ones too, which no state dict carries) in every rank that holds one of the
+    same name; collective (rank 0's list, one broadcast each)."""
+    mine = dict(model.named_buffers())
+    names = [(n, tuple(b.shape), b.dtype) for n, b in mine.items()] if dist.get_rank() == 0 else None
+    for name, shape, dtype in collectives.gather_objects(names)[0]:
+        buffer = mine.get(name)
+        target = buffer.data if buffer is not None and tuple(buffer.shape) == shape else \
+            torch.empty(shape, dtype=dtype, device=next(model.parameters()).device)
+        dist.broadcast(target, src=0)

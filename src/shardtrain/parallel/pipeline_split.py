@@ -147,8 +147,11 @@ def split_model(model: nn.Module, *, held: Sequence[int], stages: int, ends_on_o
                             f"stages (each needs one at least); use a smaller pp_size, or a single-stage schedule")
     first, last = 0 in held, stages - 1 in held
     embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
-    tied_model = embedding is not None and head is not None and \
-        getattr(embedding, "weight", None) is getattr(head, "weight", None)
+    weights = getattr(embedding, "weight", None), getattr(head, "weight", None)
+    # the config says so too (every rank reads the same one: a model moved to the meta device on some ranks may
+    # hold the pair as two parameters there)
+    tied_model = None not in weights and (weights[0] is weights[1] or (
+        getattr(inner.config, "tie_word_embeddings", False) and weights[0].shape == weights[1].shape))
     tied_names = None
     if tied_model:
         names = {id(m): n for n, m in model.named_modules()}
