@@ -100,7 +100,7 @@ from shardtrain.train.model.lora import adapter_files
 from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
 from shardtrain.train.step.guard import GuardedRun
-from shardtrain.train.step.loss import LABEL_KEYS, LossComputer
+from shardtrain.train.step.loss import LossComputer
 from shardtrain.train.step.loss_units import LossUnits
 from shardtrain.train.step.optim import (
     build_optimizer,
@@ -500,7 +500,7 @@ class Trainer(transformers.Trainer):
         if num_items_in_batch is None:  # called on its own: this micro-batch's tokens (or samples)
             num_items_in_batch = self.loss_computer.items(inputs, by_samples=by_samples)
         if self.pipeline is not None:  # forward and backward over the stages: the schedule runs both
-            micro_sum = self._pipeline_micro_batch(inputs, num_items_in_batch)
+            micro_sum = self.loss_computer.through_pipeline(self.pipeline, inputs, num_items_in_batch)
             return self.loss_units.from_sum(micro_sum, num_items_in_batch)
         if by_samples:  # a mean over this micro-batch, weighted by its samples (placeholders: 0)
             loss = self.compute_loss(model, inputs)
@@ -520,17 +520,6 @@ class Trainer(transformers.Trainer):
         (micro_sum * scale).backward()
         # Hugging Face's return: this micro-batch's share of the step loss, in its units
         return self.loss_units.from_sum(micro_sum.detach(), num_items_in_batch)
-
-    def _pipeline_micro_batch(self, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
-        """One micro-batch through the pipeline's schedule (forward and backward, the token cross entropy); its loss
-        sum on the last stage, 0 on the others. A placeholder weighs 0."""
-        computer = self.loss_computer
-        micro = computer.current
-        weight = 0.0 if computer.placeholder else 1.0
-        scale = micro.grad_scale if micro is not None else 1 / num_items_in_batch
-        batch = {k: v for k, v in inputs.items() if k not in LABEL_KEYS}
-        return self.pipeline.train(batch, computer.targets(inputs), grad_scale=scale * weight,
-                                   label_smoothing=computer.label_smoothing) * weight
 
     def _library_training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         """Hugging Face's `training_step` on a batch only the library reads: its `_prepare_inputs` makes the model

@@ -326,6 +326,16 @@ class LossComputer:
         loss, outputs = self.compute(batch, keep_logits=keep_logits)
         return loss, (_loss_and_logits(outputs)[1] if self.uses_model_loss(batch) else _logits(outputs))
 
+    def through_pipeline(self, pipeline: Any, batch: dict[str, torch.Tensor], num_items: Any) -> torch.Tensor:
+        """Forward and backward of `batch` over a pipeline's schedule (`parallel.pipeline.Pipeline`): the token
+        cross entropy on its last stage, each gradient times the micro-step's scale (1 / `num_items` outside a
+        step); the loss sum on the last stage, 0 on the others. A placeholder weighs 0."""
+        weight = 0.0 if self.placeholder else 1.0
+        scale = self.current.grad_scale if self.current is not None else 1 / num_items
+        inputs = {k: v for k, v in batch.items() if k not in LABEL_KEYS}
+        return pipeline.train(inputs, self.targets(batch), grad_scale=scale * weight,
+                              label_smoothing=self.label_smoothing) * weight
+
     def with_labels(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A causal LM batch without labels (e.g. from DataCollatorWithPadding) learns every next token."""
         if "labels" in batch or not self.shift_labels or "input_ids" not in batch:
