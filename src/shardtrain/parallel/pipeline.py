@@ -157,9 +157,9 @@ class _StepInputs:
 class Pipeline:
     """One rank's stage of the pipeline and its schedule (see the module docstring); built by `Pipeline.build`."""
 
-    def __init__(self, *, split: StageSplit, root: nn.Module, stage: PipelineStage, schedule: Any,
+    def __init__(self, *, model: nn.Module, split: StageSplit, stages: list[PipelineStage], schedule: Any,
                  pp_group: Any, tie_group: Any, microbatches: int, device: torch.device, pad_token: int) -> None:
-        self.split, self.root, self.stage, self.schedule = split, root, stage, schedule
+        self.model, self.split, self.stages, self.schedule = model, split, stages, schedule
         self.pp_group, self.tie_group, self.microbatches = pp_group, tie_group, microbatches
         self.device, self.pad_token = device, pad_token
         self._shape: tuple[int, int] | None = None  # the shape the stages inferred their activations' for
@@ -192,11 +192,15 @@ class Pipeline:
         tie_group = _tie_group(split, pp_mesh) if split.tied else None
         config = getattr(model, "config", None)
         pad = getattr(config, "pad_token_id", None)
-        pipeline = cls(split=split, root=roots[0], stage=stages[0], schedule=schedule, pp_group=group,
+        pipeline = cls(model=model, split=split, stages=stages, schedule=schedule, pp_group=group,
                        tie_group=tie_group, microbatches=microbatches, device=device,
                        pad_token=pad if isinstance(pad, int) else 0)
-        pipeline.model, pipeline.stages = model, stages
         return pipeline
+
+    @property
+    def stage(self) -> PipelineStage:
+        """The rank's first (on a single-stage schedule, only) `PipelineStage`."""
+        return self.stages[0]
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         inputs = self._inputs
