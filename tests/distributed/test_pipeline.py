@@ -81,7 +81,9 @@ def runs(tmp_path_factory):
         {"out": str(root / "dropout"), **dropout},
         {"out": str(root / "dropout-resumed"), **dropout, **saved, "stop_after": 5},
         {"out": str(root / "lora"), **lora, "save_model": str(root / "lora-adapter")},
-        {"out": str(root / "lora-resumed"), **lora, **saved, "stop_after": 5}]), timeout=300)
+        {"out": str(root / "lora-resumed"), **lora, **saved, "stop_after": 5},
+        {"out": str(root / "uneven"), "per_device_train_batch_size": 8, **PP2, "pp_layers": [3, 1],
+         "model": "llama_tied4"}]), timeout=300)
     # epoch ends: 20 samples, 16 per step (2 accumulation steps): short steps, placeholder micro-batches
     short = {"dataset_size": 20, "max_steps": 6, "model": "llama_tied4", "per_device_train_batch_size": 4}
     torchrun(RUN, 4, json.dumps([{"out": str(root / "pp2dp2"), "per_device_train_batch_size": 4, **PP2, **SHARDED,
@@ -124,6 +126,11 @@ def test_pipeline_by_fsdp_equals_one_process_in_training_and_evaluation(runs):
     assert torch.allclose(got["predictions"], ref["predictions"], atol=1e-4, rtol=0)
     assert torch.equal(got["label_ids"], ref["label_ids"])
     assert got["metrics"]["test_accuracy"] == ref["metrics"]["test_accuracy"]
+
+
+def test_a_users_layer_split_trains_the_same_model(runs):
+    got, ref = _result(runs / "uneven"), _result(runs / "pp2dp2")  # layers 3 + 1 against 2 + 2 (and dp 2)
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0)
 
 
 def test_epoch_ends_with_placeholder_micro_batches_equal_one_process(runs):

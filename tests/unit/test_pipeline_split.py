@@ -136,3 +136,19 @@ def test_a_pipeline_names_its_stages():
     with pytest.raises(RuntimeError, match=r"^pipeline stages 1 and 3 of 4 .*: ValueError: peer gone"):
         with pipeline._named():
             raise ValueError("peer gone")
+
+
+def test_a_users_layer_split_is_kept_and_checked():
+    from shardtrain.train.arguments import TrainingArguments
+
+    model = tiny_llama(layers=4)
+    split = split_model(model, held=(0,), stages=2, layer_counts=(3, 1))
+    assert split.layers == (range(0, 3),) and isinstance(model.model.layers[3], Skipped)
+    with pytest.raises(PipelineError, match=r"pp_layers = \[2, 1\] adds up to 3 layers, but LlamaForCausalLM has 4"):
+        split_model(tiny_llama(layers=4), held=(0,), stages=2, layer_counts=(2, 1))
+    with pytest.raises(PipelineError, match=r"pp_layers = \[4\] must give each of the 2 pipeline stages"):
+        check_settings(PipelineSettings(layers=(4,)), pp=2)
+    with pytest.raises(PipelineError, match=r"each of the 4 pipeline stages \(pp_size 2 x 2 per rank\)"):
+        check_settings(PipelineSettings(schedule="Interleaved1F1B", layers=(1, 1)), pp=2)
+    args = TrainingArguments(output_dir="unused", pp_layers=[3, 1])
+    assert PipelineSettings.of(args) == PipelineSettings(layers=(3, 1))

@@ -41,8 +41,9 @@ class RunSpec:
         cp_regather_kv: context parallel: all-gather K/V again in backward instead of keeping them.
         save_async: checkpoints written in the background.
         seed: the run's seed (the XLA runtime's RNG).
-        pp_schedule, pp_microbatches: the pipeline's schedule (a name of `parallel.pipeline.SCHEDULES`) and the
-            microbatches each micro-batch is split into (None: as many as the pipeline has stages).
+        pp_schedule, pp_microbatches, pp_layers: the pipeline's schedule (a name of `parallel.pipeline.SCHEDULES`),
+            the microbatches each micro-batch is split into (None: as many as the pipeline has stages) and the
+            decoder layers of each stage (None: an even split).
         loss_chunk_size: tokens per chunk of the LM head and its cross entropy, "auto", or None (off); an
             automatic layout may choose it (`parallel.layout_choice`).
     """
@@ -64,6 +65,7 @@ class RunSpec:
     loss_chunk_size: int | str | None = None
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None
+    pp_layers: tuple[int, ...] | None = None
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -96,7 +98,8 @@ class RunSpec:
             mixed_precision=args.mixed_precision, tp_plan=_frozen(args.tp_plan),
             compile_options=_frozen(compile_options), gradient_checkpointing=_frozen(checkpointing),
             cp_regather_kv=args.cp_regather_kv, save_async=args.save_async, seed=args.seed,
-            loss_chunk_size=args.loss_chunk_size, pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
+            loss_chunk_size=args.loss_chunk_size, pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+            pp_layers=tuple(args.pp_layers) if args.pp_layers is not None else None)
 
 
 def _frozen(mapping: Mapping | None) -> Mapping | None:

@@ -58,10 +58,19 @@ STAGE_KWARGS = ("attention_mask", "position_ids")
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSettings:
-    """`pp_schedule` and `pp_microbatches` (None: as many microbatches as stages)."""
+    """`pp_schedule`, `pp_microbatches` (None: as many microbatches as stages) and `pp_layers` (decoder layers
+    per stage, in stage order; None: an even split)."""
 
     schedule: str = "1F1B"
     microbatches: int | None = None
+    layers: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, settings: Any) -> PipelineSettings:
+        """From the `pp_schedule`, `pp_microbatches` and `pp_layers` of `TrainingArguments` or a `RunSpec`."""
+        layers = getattr(settings, "pp_layers", None)
+        return cls(schedule=settings.pp_schedule, microbatches=settings.pp_microbatches,
+                   layers=tuple(layers) if layers is not None else None)
 
     def microbatches_for(self, pp: int) -> int:
         """`microbatches`, or as many as the pipeline over `pp` ranks has stages."""
@@ -112,6 +121,13 @@ def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int
     if settings.multi_stage and settings.schedule not in V_SHAPED and count % pp:
         raise PipelineError(f"pp_microbatches = {count} is not a multiple of pp_size = {pp}, which "
                             f"{settings.schedule} runs in rounds of; set it to {pp * -(-count // pp)}")
+    if settings.layers is not None:
+        stages = settings.stage_count(pp)
+        if len(settings.layers) != stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                                 for n in settings.layers):
+            raise PipelineError(f"pp_layers = {list(settings.layers)} must give each of the {stages} pipeline "
+                                f"stages (pp_size {pp}{' x 2 per rank' if stages > pp else ''}) a number of "
+                                "layers >= 1, in stage order")
     if per_device_batch is not None and per_device_batch % count:
         raise PipelineError(
             f"per_device_train_batch_size = {per_device_batch} does not split into pp_microbatches = {count} equal "
@@ -122,7 +138,7 @@ def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int
 def split_for_rank(model: nn.Module, settings: PipelineSettings, pp_rank: int, pp: int) -> StageSplit:
     """`model` split in place into the stages pipeline rank `pp_rank` of `pp` holds under `settings`' schedule."""
     return split_model(model, held=settings.local_stages(pp_rank, pp), stages=settings.stage_count(pp),
-                       ends_on_one_rank=settings.schedule in V_SHAPED)
+                       ends_on_one_rank=settings.schedule in V_SHAPED, layer_counts=settings.layers)
 
 
 class StageModule(nn.Module):

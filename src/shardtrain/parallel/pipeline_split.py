@@ -131,10 +131,12 @@ def _inner(model: nn.Module) -> nn.Module:
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
-def split_model(model: nn.Module, *, held: Sequence[int], stages: int, ends_on_one_rank: bool = False) -> StageSplit:
+def split_model(model: nn.Module, *, held: Sequence[int], stages: int, ends_on_one_rank: bool = False,
+                layer_counts: Sequence[int] | None = None) -> StageSplit:
     """Keep, in place, what the stages `held` of `stages` run (see the module docstring); every other module of
     the plan becomes `Skipped`. The model carries the `StageSplit` (`stage_split`). `ends_on_one_rank`: the
     schedule puts the first and the last stage on one rank (a V schedule), so tied embeddings stay one parameter.
+    `layer_counts`: the decoder layers of each stage, in order (`pp_layers`); None: an even split.
 
     Raises:
         PipelineError: a model without a pipeline plan, or fewer layers than stages.
@@ -160,7 +162,11 @@ def split_model(model: nn.Module, *, held: Sequence[int], stages: int, ends_on_o
     if tied:  # each end keeps its copy whole (not tensor-parallel), as a tied pair is in one process
         setattr(embedding, TIED_ACROSS_STAGES, True)
         setattr(head, TIED_ACROSS_STAGES, True)
-    ranges = layer_ranges(len(layers), stages)
+    if layer_counts is not None and sum(layer_counts) != len(layers):
+        raise PipelineError(f"pp_layers = {list(layer_counts)} adds up to {sum(layer_counts)} layers, but "
+                            f"{type(inner).__name__} has {len(layers)}; give the stages {len(layers)} in all")
+    ranges = layer_ranges(len(layers), stages) if layer_counts is None else \
+        [range(sum(layer_counts[:i]), sum(layer_counts[:i + 1])) for i in range(stages)]
     kept = tuple(ranges[stage] for stage in held)
     for index in range(len(layers)):
         if not any(index in r for r in kept):

@@ -59,7 +59,7 @@ class Runtime:
         spec = self.spec
         return Layout(meshes=self.meshes, dims=self.dims, fsdp=spec.fsdp, tp_plan=spec.tp_plan,
                       mixed_precision=spec.mixed_precision, compile_options=spec.compile_options, cp=self.cp,
-                      pipeline=PipelineSettings(schedule=spec.pp_schedule, microbatches=spec.pp_microbatches))
+                      pipeline=PipelineSettings.of(spec))
 
     @classmethod
     def start(cls, spec: RunSpec, model: Any = None, chooser: LayoutChooser | None = None) -> Runtime:
@@ -73,8 +73,7 @@ class Runtime:
         dims = ParallelDims.resolve(world_size=backend.world_size, fsdp_config=spec.fsdp,
                                     local_world_size=spec.local_world_size or backend.world_size, **spec.sizes)
         if dims.pp > 1:  # before the meshes: a schedule that cannot run is one line on every rank
-            check_settings(PipelineSettings(schedule=spec.pp_schedule, microbatches=spec.pp_microbatches),
-                           pp=dims.pp)
+            check_settings(PipelineSettings.of(spec), pp=dims.pp)
         meshes = dims.build(backend.host_device_type)
         backend.check(model, dims)
         cp = ContextParallel(meshes.cp, recompute=spec.cp_regather_kv) if dims.cp > 1 else None

@@ -109,6 +109,7 @@ class TrainingArguments(transformers.TrainingArguments):
     pp_schedule: str = field(default="1F1B", metadata={"help": "pipeline schedule: GPipe, 1F1B, Interleaved1F1B, "
                                                                  "LoopedBFS"})
     pp_microbatches: int | None = _help("pipeline microbatches per micro-batch (default: the stages in flight)")
+    pp_layers: list[int] | None = _help("decoder layers of each pipeline stage, in order (default: even)")
     save_async: bool = field(default=False, metadata={"help": "write checkpoints in the background"})
     loss_chunk_size: int | str | None = _help("tokens per chunk of LM head + cross entropy; 'auto'; None: off")
     pack_sequences: bool = field(default=False, metadata={"help": "pack each training micro-batch into one row "

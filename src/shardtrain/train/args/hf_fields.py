@@ -108,7 +108,7 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
 # Fields that are ours (not Hugging Face's), and what the compatibility table (docs/hugging-face.md) says of some
 # fields.
 OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "pp_size", "pp_schedule",
-              "pp_microbatches", "save_async",
+              "pp_microbatches", "pp_layers", "save_async",
               "loss_chunk_size", "pack_sequences", "step_guard", "predict_with_generate", "generation_max_length",
               "generation_num_beams"}
 FIELD_NOTES = {
@@ -126,6 +126,7 @@ FIELD_NOTES = {
     "pp_schedule": "the pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS (two stages per rank); "
                    "the zero-bubble ones are refused",
     "pp_microbatches": "pipeline microbatches each micro-batch is split into (default: the pipeline's stages)",
+    "pp_layers": "decoder layers of each pipeline stage, in stage order (default: an even split)",
     "save_async": "write checkpoints in the background (DCP async save)",
     "loss_chunk_size": "tokens per chunk of LM head + fp32 cross entropy (no full logits); 'auto'; None: off",
     "batch_eval_metrics": "compute_metrics(EvalPrediction, compute_result) after every batch, on the batch "

@@ -92,7 +92,7 @@ def check_pipeline_inputs(args: Any, *, stages: int, custom_loss: bool, loss_kin
     stage, from micro-batches that split into `pp_microbatches` microbatches."""
     from shardtrain.parallel.pipeline import PipelineSettings, check_settings
 
-    check_settings(PipelineSettings(schedule=args.pp_schedule, microbatches=args.pp_microbatches), pp=stages,
+    check_settings(PipelineSettings.of(args), pp=stages,
                    per_device_batch=args.per_device_train_batch_size)
     if custom_loss or per_sample or loss_kind != "token":
         what = "a custom compute_loss / compute_loss_func" if custom_loss else \
