@@ -37,6 +37,7 @@ def test_backend_follows_fsdp_config(tmp_path):
     ({}, {"bf16": True}, {}, "bf16 = True"),
     ({}, {"save_async": True}, {}, "save_async = True"),
     ({}, {}, {"dp_shard": 2, "tp": 2}, "tp_size = 2"),
+    ({}, {}, {"dp_shard": 1, "pp": 2}, "pp_size = 2"),
 ])
 def test_unsupported_settings_are_refused_with_the_fix(tmp_path, fsdp_config, kwargs, sizes, message):
     with pytest.raises(FSDPConfigError, match=message) as err:

@@ -133,7 +133,7 @@ class XlaBackend(TrainingBackend):
                                   "AutoModelForCausalLM.from_pretrained(path)) and pass it to the Trainer")
         spec = self.spec
         problems = [f"{name} = {size}" for name, size in (("tp_size", dims.tp), ("cp_size", dims.cp),
-                                                         ("ep_size", dims.ep)) if size > 1]
+                                                         ("ep_size", dims.ep), ("pp_size", dims.pp)) if size > 1]
         if spec.compile_options is not None:
             problems.append("torch_compile = True (XLA compiles every step's graph itself)")
         if self.config.cpu_offload:
