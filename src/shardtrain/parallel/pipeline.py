@@ -11,11 +11,11 @@ A stage runs the model's own forward (`pipeline_split` keeps the model object an
 `input_ids`, the others with the activations they receive as `inputs_embeds`; a skipped norm and head make a
 non-last stage's "logits" the hidden states it sends on. The rotary embedding, the masks and the position ids are
 computed on every stage by the model's forward, from the `attention_mask` every stage is given. Schedules of
-several stages per rank (Interleaved 1F1B, looped BFS, zero bubble, DualPipeV) hold two.
+two stages per rank (Interleaved 1F1B, looped BFS: rank r holds stages r and r + pp) hold both.
 
 Tied input and output embeddings stay tied: on two ranks the first stage holds the embedding, the last the head,
 both the same values, their gradients summed over the pair before the step (Megatron's way) and counted once by
-the norm; on one rank (a V schedule's rank 0) they stay one parameter.
+the norm.
 
 The loss is the token sum of every microbatch times the step's scale (1 / the global target tokens x FSDP's
 average), so any microbatch count gives the step of one process; the schedule scales nothing (`scale_grads`
@@ -48,7 +48,6 @@ SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B"
              "LoopedBFS": "ScheduleLoopedBFS", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
              "ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
 SINGLE_STAGE = ("GPipe", "1F1B")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2 pp - 1 - r; the looped ones r and r + pp
 # schedules that split each backward into an input-gradient and a weight-gradient pass
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 STAGES_PER_RANK = 2  # of a multi-stage schedule
@@ -88,8 +87,6 @@ class PipelineSettings:
         """The stages rank `pp_rank` of `pp` holds, in schedule order."""
         if not self.multi_stage:
             return (pp_rank,)
-        if self.schedule in V_SHAPED:
-            return (pp_rank, 2 * pp - 1 - pp_rank)
         return tuple(pp_rank + k * pp for k in range(STAGES_PER_RANK))
 
 
@@ -114,11 +111,11 @@ def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int
     count = settings.microbatches_for(pp)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise PipelineError(f"pp_microbatches = {settings.microbatches!r} must be an int >= 1")
-    least = {"1F1B": pp, **dict.fromkeys(V_SHAPED, 2 * pp)}.get(settings.schedule, 1)
+    least = pp if settings.schedule == "1F1B" else 1
     if count < least:
         raise PipelineError(f"pp_microbatches = {count} is fewer than the {least} {settings.schedule} needs over "
                             f"pp_size = {pp} ranks; set pp_microbatches >= {least}, or pp_schedule 'GPipe'")
-    if settings.multi_stage and settings.schedule not in V_SHAPED and count % pp:
+    if settings.multi_stage and count % pp:
         raise PipelineError(f"pp_microbatches = {count} is not a multiple of pp_size = {pp}, which "
                             f"{settings.schedule} runs in rounds of; set it to {pp * -(-count // pp)}")
     if settings.layers is not None:
@@ -138,7 +135,7 @@ def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int
 def split_for_rank(model: nn.Module, settings: PipelineSettings, pp_rank: int, pp: int) -> StageSplit:
     """`model` split in place into the stages pipeline rank `pp_rank` of `pp` holds under `settings`' schedule."""
     return split_model(model, held=settings.local_stages(pp_rank, pp), stages=settings.stage_count(pp),
-                       ends_on_one_rank=settings.schedule in V_SHAPED, layer_counts=settings.layers)
+                       layer_counts=settings.layers)
 
 
 class StageModule(nn.Module):

@@ -1,7 +1,7 @@
 """A Hugging Face model split into pipeline stages by its own pipeline plan, in place, under its own names.
 
     split = split_model(model, held=(0,), stages=2)        # this rank's stage 0 of 2: the rest becomes Skipped
-    split = split_model(model, held=(0, 3), stages=4)      # a V schedule's rank 0 of 2: stages 0 and 3
+    split = split_model(model, held=(0, 2), stages=4)      # Interleaved 1F1B's rank 0 of 2: stages 0 and 2
     with active_stage(model, split, stage=3):              # a forward of stage 3 alone (a multi-stage rank)
         ...
 
@@ -10,12 +10,11 @@ the model's `_pp_plan` (the head). A module of a stage this rank does not hold b
 passes its first input through), so the kept layers stay under their original indices and the rank's state-dict
 keys are the full model's (a checkpoint resumes on any pipeline size). Layers are split evenly over the stages
 (the first stages take one more where they do not divide). A rank that holds several stages (Interleaved 1F1B: r
-and r + pp; V schedules: r and 2 pp - 1 - r) keeps all their modules in one model; `active_stage` leaves only one
+and r + pp) keeps all their modules in one model; `active_stage` leaves only one
 stage's in the forward path for the duration of a call.
 
 Tied input and output embeddings on two ranks (the first and the last stage) each keep a whole copy (`TIED_ACROSS_
-STAGES`: not tensor-parallel), their gradients summed over the pair; on one rank (a V schedule's rank 0) they stay
-one parameter.
+STAGES`: not tensor-parallel), their gradients summed over the pair.
 """
 
 from __future__ import annotations
@@ -131,11 +130,10 @@ def _inner(model: nn.Module) -> nn.Module:
     return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
-def split_model(model: nn.Module, *, held: Sequence[int], stages: int, ends_on_one_rank: bool = False,
+def split_model(model: nn.Module, *, held: Sequence[int], stages: int,
                 layer_counts: Sequence[int] | None = None) -> StageSplit:
     """Keep, in place, what the stages `held` of `stages` run (see the module docstring); every other module of
-    the plan becomes `Skipped`. The model carries the `StageSplit` (`stage_split`). `ends_on_one_rank`: the
-    schedule puts the first and the last stage on one rank (a V schedule), so tied embeddings stay one parameter.
+    the plan becomes `Skipped`. The model carries the `StageSplit` (`stage_split`).
     `layer_counts`: the decoder layers of each stage, in order (`pp_layers`); None: an even split.
 
     Raises:
@@ -158,7 +156,7 @@ def split_model(model: nn.Module, *, held: Sequence[int], stages: int, ends_on_o
     if tied_model:
         names = {id(m): n for n, m in model.named_modules()}
         tied_names = (f"{names[id(embedding)]}.weight", f"{names[id(head)]}.weight")
-    tied = tied_model and not ends_on_one_rank  # (on one rank the pair stays one parameter)
+    tied = tied_model and stages > 1
     if tied:  # each end keeps its copy whole (not tensor-parallel), as a tied pair is in one process
         setattr(embedding, TIED_ACROSS_STAGES, True)
         setattr(head, TIED_ACROSS_STAGES, True)
