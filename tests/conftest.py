@@ -43,6 +43,7 @@ SLOWEST_FIRST = (
     "cli/test_restart_resume.py",  # 420 (15 launches that restart)
     "xla/test_xla_path.py",  # 234, one process at a time
     "cli/test_verify.py",  # 149
+    "distributed/test_replica_groups.py",  # ~190: five runs of two replica groups and their lighthouse
     "cli/test_readme.py",  # 119
     "cli/test_signals_and_timeouts.py",  # 108, mostly waiting
     "distributed/test_expert_parallel.py",  # 100

@@ -57,6 +57,12 @@ class ParallelDimsError(UserError, ValueError):
     """Parallel sizes that do not fit the ranks; the message names the sizes and a fix."""
 
 
+class ReplicaGroupError(UserError, RuntimeError):
+    """Replica groups (`fault_tolerance`) that cannot run: the lighthouse, the quorum, a peer's state."""
+
+    agreed = False  # one group's ranks may see it alone (its peers go on)
+
+
 class PipelineError(UserError, ValueError):
     """A pipeline-parallel setting or model that cannot be split into stages."""
 

@@ -99,6 +99,9 @@ def add_launch_parser(subparsers: argparse._SubParsersAction) -> None:
     for flag in _PARALLELISM_FLAGS:
         p.add_argument(f"--{flag}", help=f"{flag.removeprefix('parallelism_config_')} (--use_parallelism_config)")
     p.add_argument("--cpu", action="store_true", help="train on CPU (gloo) even when GPUs are visible")
+    p.add_argument("--replica_group_id", type=int, help="replica groups (fault_tolerance): this job's group id")
+    p.add_argument("--num_replica_groups", type=int, help="replica groups: how many groups the job has")
+    p.add_argument("--lighthouse", help="replica groups: the lighthouse's address, http://HOST:PORT")
     p.add_argument("--dry_run", action="store_true", help="print the plan as JSON and start nothing")
     p.add_argument("script", help="training script (.py)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -268,7 +271,30 @@ def build_plan(args: argparse.Namespace) -> LaunchPlan:
     if uses_fresh_worker_store(config):
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = torchrun_argv(config, args.script, list(args.script_args))
+    env.update(_replica_env(args))
     return LaunchPlan(config, env, unset, argv, warnings, cluster_plan)
+
+
+def _replica_env(args: argparse.Namespace) -> dict[str, str]:
+    """The replica-group flags as the variables `fault_tolerance` reads (all three, or none)."""
+    from shardtrain.config import fault_tolerance as ft
+
+    given = {ft.GROUP_ENV: args.replica_group_id, ft.GROUPS_ENV: args.num_replica_groups,
+             ft.LIGHTHOUSE_ENV: args.lighthouse}
+    if all(value is None for value in given.values()):
+        return {}
+    if any(value is None for value in given.values()):
+        raise LaunchConfigError("replica groups need --replica_group_id, --num_replica_groups and --lighthouse "
+                                "together (one job per group; see docs/fault-tolerance.md)")
+    settings = {"replica_group": args.replica_group_id, "replica_groups": args.num_replica_groups,
+                "lighthouse": args.lighthouse}
+    try:
+        ft.FaultTolerance.resolve(settings, {})
+    except Exception as err:
+        message = str(err).replace("fault_tolerance replica_groups=", "--num_replica_groups ")
+        message = message.replace("fault_tolerance replica_group=", "--replica_group_id ")
+        raise LaunchConfigError(message.replace("fault_tolerance lighthouse=", "--lighthouse ")) from None
+    return {name: str(value) for name, value in given.items()}
 
 
 def _local_devices(use_cpu: bool) -> int:

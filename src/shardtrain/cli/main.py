@@ -1,4 +1,4 @@
-"""`shardtrain` entry point: argparse subcommands config / launch / merge / report / env / plan / verify.
+"""`shardtrain` entry point: subcommands config / launch / merge / report / env / plan / verify / lighthouse.
 
     shardtrain config                                  # write $SHARDTRAIN_HOME/default_config.yaml
     shardtrain launch [flags] train.py [script args]   # run on N processes / M machines
@@ -10,6 +10,7 @@
     shardtrain --version
     shardtrain plan config.json --world-size 8 --device-memory 80GiB   # will it fit? memory + step time
     shardtrain verify --cpu --layouts 2,4 train.py     # your script: 1 process vs N ranks, step by step
+    shardtrain lighthouse --port 29510                 # torchft's lighthouse for replica groups
     python -m shardtrain.cli.main ...                  # same, without the console script
 
 Exit codes: 0 ok, 1 the launched script failed, 2 a usage/config error (message `error: ...` on stderr).
@@ -25,6 +26,7 @@ import sys
 from shardtrain.cli.config_cmd import add_config_parser
 from shardtrain.cli.env_cmd import add_env_parser
 from shardtrain.cli.launch import add_launch_parser, normalize_fsdp_flag
+from shardtrain.cli.lighthouse_cmd import add_lighthouse_parser
 from shardtrain.cli.plan_cmd import add_plan_parser
 from shardtrain.cli.verify_cmd import add_verify_parser
 from shardtrain.errors import FSDPConfigError, LaunchConfigError
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     from shardtrain import __version__
 
     parser.add_argument("--version", action="version", version=f"shardtrain {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="{config,launch,merge,report,env,plan,verify}")
+    subparsers = parser.add_subparsers(dest="command",
+                                       metavar="{config,launch,merge,report,env,plan,verify,lighthouse}")
     add_config_parser(subparsers)
     add_launch_parser(subparsers)
     merge = subparsers.add_parser(
@@ -91,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_env_parser(subparsers)
     add_plan_parser(subparsers)
     add_verify_parser(subparsers)
+    add_lighthouse_parser(subparsers)
     return parser
 
 

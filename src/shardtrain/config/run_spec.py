@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shardtrain.config import env
+from shardtrain.config.fault_tolerance import FaultTolerance
 from shardtrain.config.fsdp_config import FSDPConfig
 
 
@@ -44,6 +45,7 @@ class RunSpec:
         pp_schedule, pp_microbatches, pp_layers: the pipeline's schedule (a name of `parallel.pipeline.SCHEDULES`),
             the microbatches each micro-batch is split into (None: as many as the pipeline has stages) and the
             decoder layers of each stage (None: an even split).
+        fault_tolerance: the replica groups this job is one of (`parallel.replicas.FaultTolerance`), or None.
         loss_chunk_size: tokens per chunk of the LM head and its cross entropy, "auto", or None (off); an
             automatic layout may choose it (`parallel.layout_choice`).
     """
@@ -66,6 +68,7 @@ class RunSpec:
     pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None
     pp_layers: tuple[int, ...] | None = None
+    fault_tolerance: FaultTolerance | None = None
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -99,7 +102,8 @@ class RunSpec:
             compile_options=_frozen(compile_options), gradient_checkpointing=_frozen(checkpointing),
             cp_regather_kv=args.cp_regather_kv, save_async=args.save_async, seed=args.seed,
             loss_chunk_size=args.loss_chunk_size, pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-            pp_layers=tuple(args.pp_layers) if args.pp_layers is not None else None)
+            pp_layers=tuple(args.pp_layers) if args.pp_layers is not None else None,
+            fault_tolerance=FaultTolerance.resolve(args.fault_tolerance, environ))
 
 
 def _frozen(mapping: Mapping | None) -> Mapping | None:

@@ -116,6 +116,8 @@ class TrainingArguments(transformers.TrainingArguments):
                                                                   "(no padding; documents kept apart)"})
     step_guard: dict | str | None = _help("skip non-finite (opt-in: spiking) steps on every rank; true or "
                                                  "{spike_factor, window, max_in_a_row}")
+    fault_tolerance: dict | str | None = _help("replica groups on torchft: {replica_group, replica_groups, "
+                                               "lighthouse, ...} (docs/fault-tolerance.md)")
     # as Hugging Face's Seq2SeqTrainingArguments
     predict_with_generate: bool = field(default=False, metadata={"help": "evaluate/predict generate answers"})
     generation_max_length: int | None = _help("generation: maximum total length")

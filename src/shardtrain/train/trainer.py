@@ -92,6 +92,7 @@ from shardtrain.train.data.validation import ModelLimits
 from shardtrain.train.eval.loaders import ShareLoader
 from shardtrain.train.hooks import TrainerLoopHooks, TrainerParts, trainer_eval_loop
 from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
+from shardtrain.train.loop.replica_gate import ReplicaGate, check_replica_inputs
 from shardtrain.train.loop.resume import Resume
 from shardtrain.train.loop.run import TrainingRun, first_state, log_training_plan
 from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_trackers
@@ -216,6 +217,9 @@ class Trainer(transformers.Trainer):
         self.runtime = runtime = Runtime.start(spec, model, chooser=self.auto_layout)
         self.spec = spec = runtime.spec
         self.preparation = ModelPreparation(runtime)
+        # replica groups: group 0's rank 0 is the job's main process (logs, trackers, Hugging Face's files)
+        self._replica_group = spec.fault_tolerance.replica_group if spec.fault_tolerance is not None else 0
+        self._replica_gate: ReplicaGate | None = None
         check_output_dir(args.output_dir)
         set_seed(args.seed)
         self.model_init, self._peft_config = model_init, peft_config
@@ -262,12 +266,12 @@ class Trainer(transformers.Trainer):
         self.callback_handler = CallbackHandler([DefaultFlowCallback, *(callbacks or [])], self.model,
                                                 self.processing_class, self.optimizer, self.lr_scheduler)
         self.add_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)  # Hugging Face's own
-        for tracker in rank0_trackers(args.report_to, self.rank):
+        for tracker in rank0_trackers(args.report_to, self.rank if self.is_world_process_zero() else -1):
             self.add_callback(tracker)
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
-                                  is_world_process_zero=self.rank == 0)
+                                  is_world_process_zero=self.is_world_process_zero())
         self.control = TrainerControl()
-        self.logger = MetricsLogger(spec.output_dir, is_main=self.rank == 0)
+        self.logger = MetricsLogger(spec.output_dir, is_main=self.is_world_process_zero())
         self.preemption = PreemptionHandler()
         self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         set_hf_attributes(self)
@@ -378,10 +382,14 @@ class Trainer(transformers.Trainer):
         # this run's step (its max_grad_norm may be a trial's)
         self._guarded = GuardedRun.start(args.step_guard, self.state, args.output_dir, resuming=resume is not None,
                                          rank=self.rank)
+        if self.spec.fault_tolerance is not None:  # joins the replica groups (a late group heals at its 1st step)
+            check_replica_inputs(args, plan, xla=self.spec.xla)
+            self._replica_gate = ReplicaGate.start(self, self.spec.fault_tolerance, plan, max_steps)
+        replicas = self._replica_gate.replicas if self._replica_gate is not None else None
         self._engine_step = OptimizerStep(model=self.model, dims=self.dims, device=self.device,
                                           all_reduce=self.backend.all_reduce, max_grad_norm=args.max_grad_norm,
                                           sharded=self.backend.is_sharded(self.model), loss=self.loss_computer,
-                                          preemption=self.preemption, pipeline=self.pipeline,
+                                          preemption=self.preemption, pipeline=self.pipeline, replicas=replicas,
                                           guard=self._guarded.guard if self._guarded is not None else None)
         start_step, start_time = self.state.global_step, time.time()
         window = LossWindow(self.backend.all_reduce, group=self.meshes.loss.get_group(),
@@ -396,7 +404,8 @@ class Trainer(transformers.Trainer):
         self.preemption.install()
         neftune = activate_neftune(self.model, self.neftune_noise_alpha) if self.neftune_noise_alpha else None
         run = TrainingRun(state=self.state, guarded=self._guarded, logger=self.logger, rank=self.rank,
-                          output_dir=args.output_dir, retry_on_oom=args.auto_find_batch_size)
+                          output_dir=args.output_dir, retry_on_oom=args.auto_find_batch_size,
+                          gate=self._replica_gate)
         try:
             run.run(data, plan, max_steps, window, TrainerLoopHooks(self, ignore_keys_for_eval))
         except PrunedElsewhere:  # rank 0's study pruned this trial (hp_search.py); rank 0 raised optuna's error
@@ -406,6 +415,8 @@ class Trainer(transformers.Trainer):
                 deactivate_neftune(self.model, neftune)
             self.preemption.uninstall()
             self.is_in_train = False
+            if self._replica_gate is not None:
+                self._replica_gate.close()
         # An async save still in flight is committed (or its error raised on every rank) before train() returns.
         self._checkpoints().wait()
         self.logger.close()
@@ -637,6 +648,8 @@ class Trainer(transformers.Trainer):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Hugging Face's hook (same signature, so a library's override that calls super() works): write
         `checkpoint-<step>` of the Trainer's model, optimizer, scheduler, RNG and state."""
+        if not self._writes_job_files:
+            return
         save = self._checkpoints().save_async if self.args.save_async else self._checkpoints().save
         self._store_callback_states()
         save(self.state.global_step, self.state, model_only=self.args.save_only_model)  # async: waits for the last
@@ -791,6 +804,8 @@ class Trainer(transformers.Trainer):
         is written by every rank, none holding it whole; adapters, merged adapters, XLA and non-float states are
         gathered on rank 0 (`_gather_on_rank0` forces that path: the benchmark compares the two).
         """
+        if not self._writes_job_files:  # another replica group writes the job's model
+            return Path(output_dir or self.args.output_dir)
         if self._overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
             return save_through_override(self, Path(output_dir or self.args.output_dir))
         return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
@@ -816,7 +831,12 @@ class Trainer(transformers.Trainer):
 
     # -- Hugging Face's internals that libraries built on the Trainer read ----------------------------------
     def is_world_process_zero(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and self._replica_group == 0
+
+    @property
+    def _writes_job_files(self) -> bool:
+        """Whether this process's group writes the job's checkpoints and model (all but one replica group don't)."""
+        return self._replica_gate is None or self._replica_gate.writes
 
     def is_local_process_zero(self) -> bool:
         return self.args.local_process_index == 0

@@ -173,6 +173,7 @@ def check_choices(args: Any) -> None:
     except ChunkedLossError as err:
         raise TrainingArgumentsError(str(err)) from None
     args.step_guard = _step_guard_setting(args.step_guard)
+    args.fault_tolerance = _fault_tolerance_setting(args.fault_tolerance)
     reporters = [args.report_to] if isinstance(args.report_to, str) or args.report_to is None else \
         list(args.report_to)
     from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
@@ -289,6 +290,23 @@ def _step_guard_setting(value: Any) -> bool | dict | None:
                 raise TrainingArgumentsError(f"TrainingArguments.step_guard got {value!r}; use true, or JSON such as "
                                              "'{\"spike_factor\": 10}'") from None
     StepGuardConfig.from_setting(value)
+    return value
+
+
+def _fault_tolerance_setting(value: Any) -> dict | None:
+    """`fault_tolerance` as a dict (a command line gives JSON), checked with the launcher's variables."""
+    from shardtrain.config.fault_tolerance import FaultTolerance
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise TrainingArgumentsError("TrainingArguments.fault_tolerance takes a dict (JSON on a command line), "
+                                         "such as '{\"replica_group\": 0, \"replica_groups\": 2, "
+                                         "\"lighthouse\": \"http://host:29510\"}'")
+    FaultTolerance.resolve(value)
     return value
 
 

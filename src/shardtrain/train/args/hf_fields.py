@@ -108,7 +108,7 @@ def compatibility_table(rows: list[tuple[str, str, str]]) -> str:
 # Fields that are ours (not Hugging Face's), and what the compatibility table (docs/hugging-face.md) says of some
 # fields.
 OUR_FIELDS = {"cp_size", "cp_regather_kv", "sp_size", "tp_size", "tp_plan", "ep_size", "pp_size", "pp_schedule",
-              "pp_microbatches", "pp_layers", "save_async",
+              "pp_microbatches", "pp_layers", "save_async", "fault_tolerance",
               "loss_chunk_size", "pack_sequences", "step_guard", "predict_with_generate", "generation_max_length",
               "generation_num_beams"}
 FIELD_NOTES = {
@@ -128,6 +128,8 @@ FIELD_NOTES = {
     "pp_microbatches": "pipeline microbatches each micro-batch is split into (default: the pipeline's stages)",
     "pp_layers": "decoder layers of each pipeline stage, in stage order (default: an even split)",
     "save_async": "write checkpoints in the background (DCP async save)",
+    "fault_tolerance": "replica groups on torchft: a lost group stops itself, not the job; it heals from a peer "
+                       "(see docs/fault-tolerance.md)",
     "loss_chunk_size": "tokens per chunk of LM head + fp32 cross entropy (no full logits); 'auto'; None: off",
     "batch_eval_metrics": "compute_metrics(EvalPrediction, compute_result) after every batch, on the batch "
                           "gathered from every rank (tensors); evaluate() keeps no predictions",

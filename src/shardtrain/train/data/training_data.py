@@ -85,12 +85,15 @@ class TrainingData:
         device = runtime.device
         per_device = per_device or args.per_device_train_batch_size
         accumulation = args.gradient_accumulation_steps * args.per_device_train_batch_size // per_device
+        dp_size, dp_rank = runtime.dims.batch_size, runtime.dp_rank
+        if runtime.spec.fault_tolerance is not None:  # replica groups: slices of one global batch
+            dp_size, dp_rank = runtime.spec.fault_tolerance.data_split(dp_size, dp_rank)
         return cls(
             dataset=dataset, collator=collator,
             # a process that feeds several devices (XLA SPMD) loads all their batches at once
             per_process_batch=per_device * runtime.backend.devices_per_process,
             per_device_batch=per_device, accumulation_steps=accumulation,
-            dp_size=runtime.dims.batch_size, dp_rank=runtime.dp_rank, seed=args.seed,
+            dp_size=dp_size, dp_rank=dp_rank, seed=args.seed,
             data_seed=args.seed if args.data_seed is None else args.data_seed, world_size=runtime.world_size,
             all_reduce=runtime.backend.all_reduce, device=device, num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory and device.type == "cuda",

@@ -8,13 +8,17 @@ batch-size retry, preemption and the end of a stream. The Trainer drives it thro
 
 Where the data stands is derived from the step (a plan with a known pass length) or kept in the state with it
 (`data_epoch` / `data_step`: a stream, a loader without a length), so a resume starts at the next step's samples.
+
+With replica groups a `StepGate` opens each step before its batches are read (the quorum; a group behind its
+peers takes their state there, and the loop moves to the data position it received) and records each committed
+step; a step the groups did not commit is read and run again.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import transformers
@@ -64,6 +68,16 @@ class LoopHooks(Protocol):
         """A complete checkpoint of the last finished step (unless one was just written), committed."""
 
 
+class StepGate(Protocol):
+    """Replica groups' side of the loop (`train.loop.replica_gate`)."""
+
+    def begin(self, state: TrainerState) -> bool:
+        """Before a step's batches are read; True when the state moved (recovered from a peer)."""
+
+    def committed(self, plan: Plan, epoch: int, step: int, result: StepResult) -> None:
+        """After a committed step (the record of what was trained)."""
+
+
 @dataclass(kw_only=True)
 class TrainingRun:
     """One `train()`'s loop (see the module docstring).
@@ -75,6 +89,7 @@ class TrainingRun:
         rank: this process's rank (rank 0 prints).
         output_dir: where checkpoints go (named in the preemption's line).
         retry_on_oom: `auto_find_batch_size`: a step that runs out of memory is run again with smaller parts.
+        gate: the replica groups' gate (None: no replica groups).
     """
 
     state: TrainerState
@@ -83,6 +98,8 @@ class TrainingRun:
     rank: int
     output_dir: str = "."
     retry_on_oom: bool = False
+    gate: StepGate | None = None
+    _moved: bool = field(default=False, init=False)  # the gate's recovery ended the pass's steps early
 
     def run(self, data: TrainingData, plan: Plan, max_steps: int, window: LossWindow, hooks: LoopHooks) -> None:
         """Train until `max_steps` or a callback stops it. Ctrl-C exits 130 with a line; SIGTERM on any rank
@@ -104,14 +121,16 @@ class TrainingRun:
     def _loop(self, data: TrainingData, plan: Plan, max_steps: int, window: LossWindow, hooks: LoopHooks) -> None:
         state = self.state
         last: StepResult | None = None  # the newest step (a log entry reports its grad norm and learning rate)
-        shrunk = False  # auto_find_batch_size cut the batch: the same pass goes on (no second epoch begin)
+        # the same pass goes on (no second epoch begin): auto_find_batch_size cut the batch, the replica groups
+        # did not commit a step, or a recovery moved the data position
+        shrunk = False
         while state.global_step < max_steps and not hooks.control.should_training_stop:
             epoch, start = self._position(plan)
             if not shrunk:
                 hooks.control.should_epoch_stop = False
                 hooks.fire("on_epoch_begin")
-            shrunk = False
-            for step, (batches, placeholders) in enumerate(data.epoch_steps(plan, epoch, start), start):
+            shrunk = self._moved = False
+            for step, (batches, placeholders) in enumerate(self._steps(data, plan, epoch, start), start):
                 if self.guarded is not None and self.guarded.is_recorded(epoch, step):  # skipped before a resume
                     self.guarded.pass_recorded(state, epoch, step)
                     state.data_epoch, state.data_step = epoch, step + 1
@@ -119,11 +138,16 @@ class TrainingRun:
                 try:
                     hooks.fire("on_step_begin")
                     result = hooks.optimizer_step(batches, placeholders)
+                    if not result.committed:
+                        shrunk = True
+                        break
                     if result.skipped is not None:
                         self._skip(result.skipped, plan, epoch, step, hooks)
                         continue
                     last = result
                     self._advance(plan, epoch, step, result, window)
+                    if self.gate is not None:
+                        self.gate.committed(plan, epoch, step, result)
                     hooks.fire("on_step_end")
                 except Exception as err:
                     if not (self.retry_on_oom and out_of_memory(err)) or isinstance(plan, LoaderPlan):
@@ -135,7 +159,10 @@ class TrainingRun:
                 control = hooks.control
                 if state.global_step >= max_steps or control.should_training_stop or control.should_epoch_stop:
                     break
-            else:  # the pass is over
+            else:  # the pass is over (or a recovery moved the data)
+                if self._moved:
+                    shrunk = True
+                    continue
                 if not plan.steps_per_epoch and state.data_step == 0 and start == 0:
                     raise DataError(plan.nothing_read)
                 state.data_epoch, state.data_step = epoch + 1, 0
@@ -145,6 +172,19 @@ class TrainingRun:
             hooks.log_evaluate_save(window, last)  # what on_epoch_end asked for (epoch strategies)
         if window:  # steps after the last log entry: in train_loss, as under Hugging Face
             window.fold()
+
+    def _steps(self, data: TrainingData, plan: Plan, epoch: int, start: int) -> Any:
+        """The pass's steps from `start`, each opened by the gate before its batches are read; ends early (with
+        `_moved` set) when the gate's recovery moved the data position."""
+        steps = data.epoch_steps(plan, epoch, start)
+        while True:
+            if self.gate is not None and self.gate.begin(self.state):
+                self._moved = True
+                return
+            item = next(steps, None)
+            if item is None:
+                return
+            yield item
 
     def _position(self, plan: Plan) -> tuple[int, int]:
         """(pass, step in it) of the next step: derived from the step, or kept with it (a pass of unknown length)."""

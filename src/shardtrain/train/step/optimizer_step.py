@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from shardtrain.train.step.loss import LossComputer
 from shardtrain.train.step.micro import MicroStep
 from shardtrain.train.step.optim import clip_grads
 from shardtrain.train.step.preemption import Preempted, PreemptionHandler
+
+if TYPE_CHECKING:
+    from shardtrain.parallel.replicas import ReplicaGroups
 
 
 class StepHooks(Protocol):
@@ -66,6 +69,9 @@ class StepResult:
         grad_norm: the gradient norm of the step's mean loss, before clipping.
         learning_rate: the rate this step used (what Hugging Face logs).
         skipped: why the step guard skipped the step (nothing was updated), or None.
+        committed: False when the replica groups did not commit the step (nothing was updated; its batches are
+            read again for the next quorum).
+        groups: the replica groups whose samples the step trained (empty: no replica groups).
     """
 
     loss_sum: torch.Tensor
@@ -74,6 +80,8 @@ class StepResult:
     grad_norm: torch.Tensor
     learning_rate: float
     skipped: str | None = None
+    committed: bool = True
+    groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +100,8 @@ class OptimizerStep:
         guard: the step guard (None: every step is applied); its loss travels in clipping's all-reduce.
         pipeline: this rank's pipeline stage (None: no pipeline): its schedule reduces the gradients, its tied
             embeddings' gradients are summed over the first and last stage before clipping.
+        replicas: the replica groups (None: none): counts and gradients summed over the quorum, the step applied
+            only if it commits.
     """
 
     model: nn.Module
@@ -104,6 +114,7 @@ class OptimizerStep:
     preemption: PreemptionHandler | None = None
     guard: StepGuard | None = None
     pipeline: Pipeline | None = None
+    replicas: ReplicaGroups | None = None
 
     def run(self, batches: list[Any], placeholders: list[bool] | None, hooks: StepHooks, *, step: int,
             by_samples: bool, counts: tuple[int, int] | None = None) -> StepResult:
@@ -123,6 +134,10 @@ class OptimizerStep:
             local = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.device) if library else \
                 self.loss.local_counts(batches, placeholders, by_samples)
             counts = self.global_counts(local, step, counted=not library)
+        if self.replicas is not None:
+            counts = self.replicas.reduce_counts(*counts)
+            if counts is None:  # a peer died: the step cannot commit (every group's state stays as it was)
+                return self._uncommitted(hooks)
         targets, inputs = counts
         # Hugging Face's num_items_in_batch: the target tokens of the whole global batch, known before the forward
         num_items = None if library else torch.tensor(targets, dtype=torch.int64, device=self.device)
@@ -144,6 +159,12 @@ class OptimizerStep:
                     hooks.between_micro_steps()
         if self.dims.ep > 1:
             rescale_expert_grads(self.model)
+        if self.replicas is not None:  # the quorum's sum (and the logged loss's), then all commit or none
+            self.replicas.reduce_grads(list(self.model.parameters()), [loss_sum])
+            if not self.replicas.commit():
+                hooks.discard_step()
+                return StepResult(loss_sum=loss_sum, tokens=targets, input_tokens=inputs,
+                                  grad_norm=torch.zeros((), device=self.device), learning_rate=0.0, committed=False)
         uncounted: set[int] = set()
         if self.pipeline is not None:
             self.pipeline.sum_tied_grads()
@@ -159,7 +180,15 @@ class OptimizerStep:
                 self.guard.kept(loss)
         learning_rate = hooks.optimizer_step() if skipped is None else hooks.discard_step()
         return StepResult(loss_sum=loss_sum, tokens=targets, input_tokens=inputs, grad_norm=grad_norm,
-                          learning_rate=learning_rate, skipped=skipped)
+                          learning_rate=learning_rate, skipped=skipped,
+                          groups=self.replicas.groups if self.replicas is not None else ())
+
+    def _uncommitted(self, hooks: StepHooks) -> StepResult:
+        self.replicas.commit()  # every rank of the group reports the failure; the quorum closes
+        hooks.discard_step()
+        zero = torch.zeros((), device=self.device)
+        return StepResult(loss_sum=zero, tokens=0, input_tokens=0, grad_norm=zero, learning_rate=0.0,
+                          committed=False)
 
     def global_counts(self, local: torch.Tensor, step: int, counted: bool = True) -> tuple[int, int]:
         """(target tokens or samples, input tokens) of the global batch from this rank's `local` counts, in one

@@ -1,0 +1,209 @@
+"""Replica groups on torchft: a lost machine stops its group, not the job.
+
+Each replica group is one job of the usual kind (FSDP2 and any layout inside, its own `torchrun`); the groups
+form the outermost data-parallel dimension through torchft. Every step, a lighthouse forms a quorum of the groups
+that are up; the groups of the quorum sum their gradients (after FSDP's reduce-scatter inside each group) and
+commit the step together, or not at all. A group that starts late or restarts heals from a healthy peer's live
+state (`parallel.recovery`: JSON and safetensors, never pickle) before its first step.
+
+    settings = FaultTolerance.resolve(args.fault_tolerance)            # None: no replica groups
+    replicas = ReplicaGroups.start(settings, device=device, state=(state_dict_fn, load_state_dict_fn), ...)
+    healed = replicas.begin(step)          # before the step's batches are read: the quorum (and a recovery)
+    targets, groups = replicas.reduce_counts(targets, inputs)
+    replicas.reduce_grads(params, extra)   # the sum over the quorum
+    if replicas.commit(): optimizer.step() ...
+
+Exactness: the counts are summed over the quorum before the first forward, so each group's gradients are its
+token sums divided by the quorum's target tokens, and their sum is the exact step of the samples of the groups that
+took part (3 of 4 groups: the step of those 3 groups' samples). Each step's RNG is drawn from (seed, step, group,
+rank), so a healed group and a resumed job draw what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed import ReduceOp
+
+from shardtrain.config.fault_tolerance import FaultTolerance
+from shardtrain.errors import ReplicaGroupError
+
+if TYPE_CHECKING:  # torchft is imported when a run has replica groups (the `ft` extra)
+    from shardtrain.parallel.recovery import SafeTransport
+
+log = logging.getLogger(__name__)
+
+
+def layout_signature(**facts: Any) -> float:
+    """A number that equal layouts share (a 24-bit hash: exact when summed over a few groups)."""
+    digest = hashlib.blake2b(repr(sorted(facts.items())).encode(), digest_size=3).digest()
+    return float(int.from_bytes(digest, "little") + 1)
+
+
+class ReplicaGroups:
+    """This group's place among the replica groups: torchft's `Manager` with the safe transport, as the step
+    uses it (see the module docstring). Built by `start`; `close` at the end of the run."""
+
+    def __init__(self, settings: FaultTolerance, manager: Any, transport: SafeTransport, *, seed: int, rank: int,
+                 signature: float, device: torch.device) -> None:
+        self.settings, self.manager, self.transport = settings, manager, transport
+        self.seed, self.rank, self.signature, self.device = seed, rank, signature, device
+        self.groups: tuple[int, ...] = ()  # the groups of the last quorum's counts
+        self.healed = False  # set by the state loader while a quorum heals this group
+        self._open = False  # a quorum was formed for the step and not yet committed
+
+    @classmethod
+    def start(cls, settings: FaultTolerance, *, device: torch.device, seed: int, signature: float,
+              state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], step: int) -> ReplicaGroups:
+        """Join the job's replica groups: torchft's `Manager` for this rank (its group's ranks share its manager
+        server), the recovery server, the step count a resume starts from."""
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        from shardtrain.parallel.recovery import SafeTransport, advertised_host
+
+        logging.getLogger("torchft").setLevel(logging.WARNING)
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        store = None
+        if "MASTER_ADDR" not in os.environ:  # one process, not launched: this group's store is its own
+            store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        port = settings.recovery_port + local_rank if settings.recovery_port else 0
+        timeout = timedelta(seconds=settings.timeout)
+        transport = SafeTransport(settings.recovery_host or advertised_host(), port, timeout)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        try:
+            manager = Manager(
+                pg=pg, load_state_dict=None, state_dict=None, min_replica_size=settings.min_replicas,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                connect_timeout=timeout, rank=rank, world_size=world,
+                store_addr="127.0.0.1" if store is not None else None,
+                store_port=store.port if store is not None else None,
+                lighthouse_addr=settings.lighthouse, replica_id=f"group{settings.replica_group:05d}",
+                hostname=settings.recovery_host or socket.gethostname(), checkpoint_transport=transport,
+                init_sync=False)
+        except Exception as err:
+            transport.shutdown()
+            raise ReplicaGroupError(f"replica group {settings.replica_group} cannot reach the lighthouse at "
+                                    f"{settings.lighthouse} ({_short(err)}); start it first (`shardtrain "
+                                    "lighthouse`) and check the address") from None
+        replicas = cls(settings, manager, transport, seed=seed, rank=rank, signature=signature, device=device)
+        replicas._store = store
+
+        def load(received: Any) -> None:
+            load_state_dict(received)
+            replicas.healed = True
+
+        manager.register_state_dict_fn("trainer", load, state_dict)
+        manager.load_state_dict({"step": step, "batches_committed": 0})
+        return replicas
+
+    @property
+    def group(self) -> int:
+        return self.settings.replica_group
+
+    @property
+    def writes(self) -> bool:
+        """Whether this group writes the job's files for the last committed step (checkpoints, the record): the
+        lowest group of its quorum."""
+        return bool(self.groups) and self.groups[0] == self.group
+
+    def begin(self, step: int) -> bool:
+        """The quorum of the step about to run (once until it commits or fails); a group behind its peers loads
+        a peer's state here. Returns whether it did (the data position moved). Seeds the step's RNG.
+
+        Raises:
+            ReplicaGroupError: no quorum within quorum_timeout (the lighthouse unreachable, fewer than
+                min_replicas groups up), or a recovery refused.
+        """
+        if self._open:
+            return False
+        self.healed = False
+        if self.manager.current_step() != step:  # torchft's count of committed steps is the data's steps taken
+            self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+        try:
+            self.manager.start_quorum()
+        except ReplicaGroupError:  # a peer's state refused as it was loaded
+            raise
+        except Exception as err:
+            raise ReplicaGroupError(
+                f"replica group {self.group}: no quorum at step {step} within {self.settings.quorum_timeout:g}s "
+                f"({_short(err)}); is the lighthouse at {self.settings.lighthouse} up, and are at least "
+                f"min_replicas={self.settings.min_replicas} groups running?") from None
+        failure = self.transport.failure
+        if failure is not None and not getattr(failure, "transient", False):
+            raise ReplicaGroupError(f"replica group {self.group}: {failure}")
+        if failure is not None:  # the step will not commit (torchft saw the error); the next quorum retries
+            log.warning("replica group %d: %s; retrying at the next quorum", self.group, failure)
+        self._open = True
+        return self.healed
+
+    def seed_step(self, step: int) -> None:
+        """Seed the RNG of the step about to run from (seed, step, group, rank) only."""
+        from shardtrain.train.data.batch_plan import derive_seed
+
+        torch.manual_seed(derive_seed(self.seed, "replica-step", step, self.group, self.rank))
+
+    def reduce_counts(self, targets: int, inputs: int) -> tuple[int, int] | None:
+        """The quorum's (target, input) counts from this group's, and which groups they came from; None when the
+        reduction failed (a peer died: the step will not commit).
+
+        Raises:
+            ReplicaGroupError: a group of the quorum runs another layout.
+        """
+        header = torch.zeros(3 + self.settings.replica_groups, dtype=torch.float64, device=self.device)
+        header[0], header[1], header[2] = targets, inputs, self.signature
+        header[3 + self.group] = 1.0
+        self.manager.allreduce(header, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        values = header.tolist()
+        groups = tuple(i for i, flag in enumerate(values[3:]) if flag > 0.5)
+        if values[2] != self.signature * len(groups):
+            raise ReplicaGroupError(f"replica group {self.group}: a group of the quorum {list(groups)} runs another "
+                                    "layout (world size, parallel sizes, batch sizes, model or steps differ); "
+                                    "start every group with the same script, arguments and number of ranks")
+        self.groups = groups
+        return round(values[0]), round(values[1])
+
+    def reduce_grads(self, params: list[torch.nn.Parameter], extra: list[torch.Tensor]) -> None:
+        """Sum this rank's gradient shards (and `extra` tensors) over the quorum, in place, in one collective."""
+        from torch.distributed.tensor import DTensor
+
+        tensors = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params
+                   if p.grad is not None] + list(extra)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum (and every rank of this group) finished the step: only then may the
+        optimizer step. The quorum closes either way."""
+        self._open = False
+        try:
+            return bool(self.manager.should_commit())
+        except Exception as err:
+            raise ReplicaGroupError(f"replica group {self.group}: the commit of step {self.manager.current_step()} "
+                                    f"failed ({_short(err)})") from None
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _short(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text[:200] or type(err).__name__

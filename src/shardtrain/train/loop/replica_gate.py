@@ -1,0 +1,158 @@
+"""The Trainer under replica groups (`fault_tolerance`): the loop's `StepGate`, the state a recovering group
+receives, and the record of what was trained.
+
+    gate = ReplicaGate.start(trainer, settings)       # joins the groups (torchft's Manager, the recovery server)
+    TrainingRun(..., gate=gate).run(...)              # each step: quorum, (recovery), the step, the record
+    gate.close()
+
+A recovering group receives the model and optimizer shards of the same rank of a healthy group (the checkpoint
+states), the scheduler, and the trainer state's progress (steps, data position, token counts, log history), as
+JSON and safetensors (`parallel.recovery`); each step's RNG is seeded from the step (`ReplicaGroups.seed_step`),
+so there is no RNG stream to carry. Only the lowest group of a step's quorum writes the job's files for it:
+checkpoints and `committed_batches.jsonl`, one line per committed step with the groups that took part and the
+dataset indices they trained (`RECORD_FILE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from shardtrain.config.fault_tolerance import FaultTolerance
+from shardtrain.parallel.replicas import ReplicaGroups, layout_signature
+from shardtrain.train.data.batch_plan import BatchPlan
+from shardtrain.train.data.training_data import Plan
+from shardtrain.train.step.optimizer_step import StepResult
+
+RECORD_FILE = "committed_batches.jsonl"
+# the trainer state's fields a recovering group takes from its peer (the callbacks' objects stay its own)
+OWN_FIELDS = {"stateful_callbacks", "is_local_process_zero", "is_world_process_zero"}
+
+
+class ReplicaGate:
+    """The loop's `StepGate` for a Trainer (see the module docstring)."""
+
+    replicas: ReplicaGroups  # set by `start` (its state functions are this gate's)
+
+    def __init__(self, trainer: Any, dp_size: int) -> None:
+        self.trainer, self.group_dp = trainer, dp_size
+        self.record = Path(trainer.args.output_dir) / RECORD_FILE
+
+    @classmethod
+    def start(cls, trainer: Any, settings: FaultTolerance, plan: Plan, max_steps: int) -> ReplicaGate:
+        """Join the replica groups with `trainer`'s state (after its resume, if any)."""
+        state, dims = trainer.state, trainer.dims
+        signature = layout_signature(world=trainer.runtime.world_size, layout=dims.describe(),
+                                     batch=plan.global_batch_size, steps=max_steps,
+                                     params=sum(p.numel() for p in trainer.model.parameters()))
+        gate = cls(trainer, dims.batch_size)
+        gate.replicas = ReplicaGroups.start(settings, device=trainer.device, seed=trainer.args.seed,
+                                            signature=signature, state_dict=gate.state_dict,
+                                            load_state_dict=gate.load_state_dict,
+                                            step=state.global_step + state.skipped_steps)
+        if trainer.rank == 0 and settings.replica_group == 0 and state.global_step:
+            gate.truncate_after(state.global_step)  # steps after the resumed checkpoint are trained again
+        return gate
+
+    # -- the loop's gate ----------------------------------------------------------------------------------
+    def begin(self, state: Any) -> bool:
+        moved = self.replicas.begin(state.global_step + state.skipped_steps)
+        self.replicas.seed_step(state.global_step + state.skipped_steps)
+        return moved
+
+    def committed(self, plan: Plan, epoch: int, step: int, result: StepResult) -> None:
+        if not (self.replicas.writes and self.trainer.rank == 0):
+            return
+        line = {"step": self.trainer.state.global_step, "epoch": epoch, "data_step": step,
+                "groups": list(result.groups)}
+        if isinstance(plan, BatchPlan):
+            line["samples"] = sorted(self.samples(plan, epoch, step, result.groups))
+        with self.record.open("a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    def samples(self, plan: BatchPlan, epoch: int, step: int, groups: tuple[int, ...]) -> list[int]:
+        """The dataset indices the `groups` trained at (epoch, step)."""
+        perm, found = plan.permutation(epoch), []
+        for group in groups:
+            for rank in range(group * self.group_dp, (group + 1) * self.group_dp):
+                for micro in dataclasses.replace(plan, dp_rank=rank).micro_batches(perm, step, epoch):
+                    found.extend(i for i in micro if i >= 0)
+        return found
+
+    def truncate_after(self, step: int) -> None:
+        if not self.record.is_file():
+            return
+        kept = [line for line in self.record.read_text().splitlines() if line.strip() and
+                json.loads(line)["step"] <= step]
+        tmp = self.record.with_name(self.record.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(self.record)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this group writes the job's checkpoints now."""
+        return self.replicas.writes
+
+    def close(self) -> None:
+        self.replicas.close()
+
+    # -- what a recovering group receives -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        states = trainer._checkpoints().states()
+        progress = {k: v for k, v in dataclasses.asdict(trainer.state).items() if k not in OWN_FIELDS}
+        return {"model": states.model_state(), "optimizer": states.optimizer_state(),
+                "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {},
+                "progress": json.loads(json.dumps(progress))}
+
+    def load_state_dict(self, received: dict[str, Any]) -> None:
+        from shardtrain.parallel.recovery import copy_into
+
+        trainer = self.trainer
+        states = trainer._checkpoints().states()
+        local = {"model": states.model_state(), "optimizer": states.optimizer_state()}
+        copy_into(local, {"model": received["model"], "optimizer": received["optimizer"]}, "state")
+        states.load_model_state(local["model"])
+        states.load_optimizer_state(_with_values(local["optimizer"], received["optimizer"]))
+        if trainer.lr_scheduler is not None:
+            trainer.lr_scheduler.load_state_dict(received["scheduler"])
+        for name, value in received["progress"].items():
+            if hasattr(trainer.state, name) and name not in OWN_FIELDS:
+                setattr(trainer.state, name, value)
+
+
+def check_replica_inputs(args: Any, plan: Plan, *, xla: bool) -> None:
+    """What replica groups cannot run yet, refused before the first step with the reason.
+
+    Raises:
+        TrainingArgumentsError: a stream or a user's loader (the record needs indexed samples),
+            auto_find_batch_size (a group's smaller batch is another layout), the XLA backend.
+    """
+    from shardtrain.errors import TrainingArgumentsError
+
+    if not isinstance(plan, BatchPlan):
+        raise TrainingArgumentsError("fault_tolerance needs an indexable train_dataset read by shardtrain's batch "
+                                     "plan (the record of committed samples names dataset indices); a stream or "
+                                     "an overridden get_train_dataloader cannot be used with replica groups")
+    if args.auto_find_batch_size:
+        raise TrainingArgumentsError("fault_tolerance with auto_find_batch_size: a group that cuts its batch would "
+                                     "no longer match its peers; set per_device_train_batch_size instead")
+    if xla:
+        raise TrainingArgumentsError("fault_tolerance is not supported on the XLA backend (torchft's process "
+                                     "groups are gloo and NCCL); remove fault_tolerance or fsdp_config's xla")
+
+
+def _with_values(local: Any, received: Any) -> Any:
+    """`local` (tensors filled already) with the received non-tensor values (learning rates, step counts)."""
+    import torch
+
+    if isinstance(local, torch.Tensor):
+        return local
+    if isinstance(local, dict) and isinstance(received, dict):
+        return {k: _with_values(v, received.get(k, v)) for k, v in local.items()} | \
+            {k: v for k, v in received.items() if k not in local}
+    if isinstance(local, list | tuple) and isinstance(received, list | tuple) and len(local) == len(received):
+        return type(local)(_with_values(a, b) for a, b in zip(local, received))
+    return received
