@@ -39,7 +39,8 @@ def start_group(out: Path, group: int, lighthouse: str, nproc: int = 1, min_repl
                 **job) -> subprocess.Popen:
     """Replica group `group` as its own torchrun job (its own session: a kill takes all its processes)."""
     ft = {"replica_group": group, "replica_groups": 2, "lighthouse": lighthouse, "recovery_host": "127.0.0.1",
-          "timeout": 15, "quorum_timeout": job.pop("quorum_timeout", 60), "min_replicas": min_replicas}
+          "timeout": 15, "quorum_timeout": job.pop("quorum_timeout", 60), "min_replicas": min_replicas,
+          "lost_batches": job.pop("lost_batches", "skip")}
     job = {"out": str(out), "model": TIE, "per_device_train_batch_size": 4 // nproc, "fault_tolerance": ft, **job}
     log = open(out.parent / f"{out.name}-group{group}.log", "a")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -62,10 +63,13 @@ def record(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def wait_for(predicate, what: str, timeout: float = 120) -> None:
+def wait_for(predicate, what: str, timeout: float = 120, running: tuple = ()) -> None:
+    """Poll `predicate`; fail at `timeout`, or as soon as one of the `running` processes has ended."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        ended = [proc.args[-1][:200] for proc in running if proc.poll() is not None]
+        assert not ended, f"waiting for {what}, a group ended: {ended}"
         time.sleep(0.1)
 
 
@@ -138,25 +142,27 @@ def test_groups_without_a_failure_equal_one_process(tmp_path, nproc, reference, 
 
 
 def test_a_killed_group_heals_from_its_peer_and_the_run_equals_its_record(tmp_path):
+    """lost_batches "refeed": the killed group's shares of the steps it missed are trained by later steps."""
     lighthouse, address = start_lighthouse(min_replicas=1)
     out = tmp_path / "run"
     out.mkdir()
     steps = 30
+    job = {"max_steps": steps, "step_sleep": 0.1, "lost_batches": "refeed"}
     try:
         hold = out / "hold"
-        first = start_group(out, 0, address, max_steps=steps, step_sleep=0.1, hold=str(hold))
-        second = start_group(out, 1, address, max_steps=steps, step_sleep=0.1)
+        first = start_group(out, 0, address, hold=str(hold), **job)
+        second = start_group(out, 1, address, **job)
         both = lambda: [line for line in record(out) if line["groups"] == [0, 1]]  # noqa: E731
-        wait_for(lambda: len(both()) >= 3, "3 steps of both groups")
+        wait_for(lambda: len(both()) >= 3, "3 steps of both groups", running=(first, second))
         kill_tree(second.pid)  # torchrun and its worker: the whole group dies at once
         second.wait()
         killed_at = len(record(out))
         wait_for(lambda: len([line for line in record(out)[killed_at:] if line["groups"] == [0]]) >= 3,
-                 "3 steps of group 0 alone")
+                 "3 steps of group 0 alone", running=(first,))
         hold.touch()  # group 0 waits after its current step until group 1 is back (else it could finish first)
         (out / "group1.started").unlink()
-        second = start_group(out, 1, address, max_steps=steps, step_sleep=0.1)
-        wait_for((out / "group1.started").exists, "group 1 to restart", timeout=180)
+        second = start_group(out, 1, address, **job)
+        wait_for((out / "group1.started").exists, "group 1 to restart", timeout=180, running=(first, second))
         hold.unlink()
         finish(first, out, 0)
         finish(second, out, 1)
@@ -168,19 +174,53 @@ def test_a_killed_group_heals_from_its_peer_and_the_run_equals_its_record(tmp_pa
     alone = [line["step"] for line in lines if line["groups"] == [0]]
     rejoined = [line["step"] for line in lines if line["groups"] == [0, 1] and line["step"] > max(alone)]
     assert alone and rejoined, lines  # group 0 went on alone; group 1 came back and trained again
-    assert all(len(line["samples"]) == 4 * len(line["groups"]) for line in lines)
-    weights = [torch.load(out / f"group{g}" / "weights.pt") for g in (0, 1)]
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # healed: bitwise the peer's
+    # every share of every step trained once: the lost ones re-fed by later steps, nothing left waiting
+    trained = [(line["epoch"], line["data_step"], g) for line in lines for g in line["groups"]]
+    trained += [tuple(slot) for line in lines for slot in line.get("refed", [])]
+    expected = [(line["epoch"], line["data_step"], g) for line in lines for g in (0, 1)]
+    assert sorted(trained) == sorted(expected) and any("refed" in line for line in lines)
+    assert all(len(line["samples"]) == 4 * (len(line["groups"]) + len(line.get("refed", []))) for line in lines)
     results = [json.loads((out / f"group{g}" / "result.json").read_text()) for g in (0, 1)]
     assert results[0]["global_step"] == results[1]["global_step"] == steps
-    after = {s[0]: s[1:] for s in results[1]["steps"]}  # group 1's logs after it healed are group 0's
-    assert after and all(after[s] == v for s, v in ((s[0], s[1:]) for s in results[0]["steps"]) if s in after)
+    assert results[0]["lost_slots"] == results[1]["lost_slots"] == []
+    # group 1's state right after it healed, and after every later step, is bitwise group 0's
+    healed = min(int(k[5:]) for k in results[1]["hashes"] if k.startswith("begin"))
+    assert healed > max(alone)
+    assert all(results[0]["hashes"][k] == v for k, v in results[1]["hashes"].items()), healed
+    weights = [torch.load(out / f"group{g}" / "weights.pt") for g in (0, 1)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     from launch import torchrun
 
     replay = tmp_path / "replay"
     job = {"out": str(replay), "record": str(out / "committed_batches.jsonl"), "max_steps": steps}
     torchrun(WORKERS / "replica_replay.py", 1, json.dumps(job), timeout=300)
+    replayed = json.loads((replay / "result.json").read_text())["steps"]
+    assert [s[0] for s in results[0]["steps"]] == [s[0] for s in replayed] == list(range(1, steps + 1))
+    # each step, during the outage too, is the one-process step of the samples the record names
+    assert [s[1] for s in results[0]["steps"]] == pytest.approx([s[1] for s in replayed], abs=1e-5)
     assert_close(weights[0], torch.load(replay / "weights.pt"), 1e-5)
+
+
+def test_a_group_with_another_layout_or_no_lighthouse_stops_with_one_line(tmp_path):
+    lighthouse, address = start_lighthouse(min_replicas=2)
+    out, alone = tmp_path / "run", tmp_path / "alone"
+    out.mkdir()
+    alone.mkdir()
+    try:
+        groups = [start_group(out, g, address, min_replicas=2, max_steps=6 + g, quorum_timeout=20) for g in (0, 1)]
+        nowhere = start_group(alone, 0, "http://127.0.0.1:9", max_steps=4, quorum_timeout=3)
+        codes = [proc.wait(timeout=120) for proc in [*groups, nowhere]]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    assert all(code != 0 for code in codes)
+    for g in (0, 1):
+        log = (tmp_path / f"run-group{g}.log").read_text()
+        assert f"error: replica group {g}: a group of the quorum [0, 1] runs another layout" in log, log[-3000:]
+    log = (tmp_path / "alone-group0.log").read_text()
+    assert re.search(r"error: replica group 0: (no quorum at step 0 within 3s|cannot reach the lighthouse at "
+                     r"http://127.0.0.1:9)", log), log[-3000:]
+    assert not (out / "committed_batches.jsonl").exists()  # nothing was committed, nothing written
 
 
 def test_a_whole_job_restart_after_the_lighthouse_dies_resumes_bit_identically(tmp_path, uninterrupted):
@@ -193,7 +233,7 @@ def test_a_whole_job_restart_after_the_lighthouse_dies_resumes_bit_identically(t
     hold.touch()  # both groups wait after step 4
     groups = [start_group(out, g, address, min_replicas=2, **job) for g in (0, 1)]
     try:
-        wait_for(lambda: len(record(out)) >= 4, "step 4")
+        wait_for(lambda: len(record(out)) >= 4, "step 4", running=groups)
         lighthouse.kill()  # the lighthouse dies: no group can form a quorum any more
         lighthouse.wait()
         hold.unlink()

@@ -20,6 +20,8 @@ LIGHTHOUSE = "http://127.0.0.1:29510"
 def test_settings_are_checked_once_with_the_key_and_the_fix():
     ft = FaultTolerance.resolve({"replica_group": 1, "replica_groups": 4, "lighthouse": LIGHTHOUSE}, {})
     assert (ft.replica_group, ft.replica_groups, ft.min_replicas, ft.lost_batches) == (1, 4, 1, "skip")
+    refeed = {"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "lost_batches": "refeed"}
+    assert FaultTolerance.resolve(refeed, {}).lost_batches == "refeed"
     assert ft.data_split(2, 1) == (8, 3)  # group 1's rank 1 of 2 is the 4th of the 8 data ranks
     assert FaultTolerance.resolve(None, {}) is None
     launched = FaultTolerance.resolve(None, {"SHARDTRAIN_REPLICA_GROUP": "0", "SHARDTRAIN_REPLICA_GROUPS": "2",
@@ -31,8 +33,8 @@ def test_settings_are_checked_once_with_the_key_and_the_fix():
              ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "min_replicas": 3}, "min_replicas=3"),
              ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "lost": 1}, "has no key 'lost'"),
              ({"replica_group": "x", "replica_groups": 2, "lighthouse": LIGHTHOUSE}, "replica_group='x' is not an int"),
-             ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "lost_batches": "refeed"},
-              "lost_batches='refeed' is not supported")]
+             ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "lost_batches": "drop"},
+              "lost_batches='drop' is not supported")]
     for value, message in cases:
         with pytest.raises(TrainingArgumentsError, match=message):
             FaultTolerance.resolve(value, {})

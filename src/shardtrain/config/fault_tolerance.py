@@ -17,7 +17,7 @@ from shardtrain.errors import TrainingArgumentsError
 
 # the launcher's variables (`shardtrain launch --replica_group_id I --num_replica_groups R --lighthouse ADDR`)
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "SHARDTRAIN_REPLICA_GROUP", "SHARDTRAIN_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
-LOST_BATCHES = ("skip",)
+LOST_BATCHES = ("skip", "refeed")
 KEYS = {"replica_group": "this group's id, 0 .. replica_groups - 1",
         "replica_groups": "how many groups the job has (its global batch is theirs together)",
         "lighthouse": "the lighthouse's address, http://host:port (`shardtrain lighthouse`)",
@@ -26,7 +26,7 @@ KEYS = {"replica_group": "this group's id, 0 .. replica_groups - 1",
         "quorum_timeout": "seconds to wait for a quorum of min_replicas groups (default 60)",
         "recovery_host": "the address this group's recovery server binds and advertises (default: the hostname)",
         "recovery_port": "the first port of this group's recovery servers, one per rank (default 0: any free)",
-        "lost_batches": "what happens to a batch no group committed: skip (as torchft)"}
+        "lost_batches": "a dead group's share of a step: skip it (as torchft) or refeed it to a later step"}
 
 
 @dataclass(frozen=True, kw_only=True)

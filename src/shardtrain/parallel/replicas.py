@@ -15,8 +15,7 @@ state (`parallel.recovery`: JSON and safetensors, never pickle) before its first
 
 Exactness: the counts are summed over the quorum before the first forward, so each group's gradients are its
 token sums divided by the quorum's target tokens, and their sum is the exact step of the samples of the groups that
-took part (3 of 4 groups: the step of those 3 groups' samples). Each step's RNG is drawn from (seed, step, group,
-rank), so a healed group and a resumed job draw what an uninterrupted one would.
+took part (3 of 4 groups: the step of those 3 groups' samples).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -51,16 +51,17 @@ class ReplicaGroups:
     """This group's place among the replica groups: torchft's `Manager` with the safe transport, as the step
     uses it (see the module docstring). Built by `start`; `close` at the end of the run."""
 
-    def __init__(self, settings: FaultTolerance, manager: Any, transport: SafeTransport, *, seed: int, rank: int,
+    def __init__(self, settings: FaultTolerance, manager: Any, transport: SafeTransport, *, rank: int,
                  signature: float, device: torch.device) -> None:
         self.settings, self.manager, self.transport = settings, manager, transport
-        self.seed, self.rank, self.signature, self.device = seed, rank, signature, device
+        self.rank, self.signature, self.device = rank, signature, device
         self.groups: tuple[int, ...] = ()  # the groups of the last quorum's counts
         self.healed = False  # set by the state loader while a quorum heals this group
+        self.quorum_seconds = 0.0  # time spent forming quorums (and recovering), for the goodput figures
         self._open = False  # a quorum was formed for the step and not yet committed
 
     @classmethod
-    def start(cls, settings: FaultTolerance, *, device: torch.device, seed: int, signature: float,
+    def start(cls, settings: FaultTolerance, *, device: torch.device, signature: float,
               state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], step: int) -> ReplicaGroups:
         """Join the job's replica groups: torchft's `Manager` for this rank (its group's ranks share its manager
         server), the recovery server, the step count a resume starts from."""
@@ -91,10 +92,10 @@ class ReplicaGroups:
                 init_sync=False)
         except Exception as err:
             transport.shutdown()
-            raise ReplicaGroupError(f"replica group {settings.replica_group} cannot reach the lighthouse at "
+            raise ReplicaGroupError(f"replica group {settings.replica_group}: cannot reach the lighthouse at "
                                     f"{settings.lighthouse} ({_short(err)}); start it first (`shardtrain "
                                     "lighthouse`) and check the address") from None
-        replicas = cls(settings, manager, transport, seed=seed, rank=rank, signature=signature, device=device)
+        replicas = cls(settings, manager, transport, rank=rank, signature=signature, device=device)
         replicas._store = store
 
         def load(received: Any) -> None:
@@ -110,6 +111,11 @@ class ReplicaGroups:
         return self.settings.replica_group
 
     @property
+    def is_open(self) -> bool:
+        """A quorum was formed for the step about to run and has not committed or failed yet."""
+        return self._open
+
+    @property
     def writes(self) -> bool:
         """Whether this group writes the job's files for the last committed step (checkpoints, the record): the
         lowest group of its quorum."""
@@ -117,7 +123,7 @@ class ReplicaGroups:
 
     def begin(self, step: int) -> bool:
         """The quorum of the step about to run (once until it commits or fails); a group behind its peers loads
-        a peer's state here. Returns whether it did (the data position moved). Seeds the step's RNG.
+        a peer's state here. Returns whether it did (the data position moved).
 
         Raises:
             ReplicaGroupError: no quorum within quorum_timeout (the lighthouse unreachable, fewer than
@@ -126,6 +132,7 @@ class ReplicaGroups:
         if self._open:
             return False
         self.healed = False
+        started = time.perf_counter()
         if self.manager.current_step() != step:  # torchft's count of committed steps is the data's steps taken
             self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         try:
@@ -143,13 +150,12 @@ class ReplicaGroups:
         if failure is not None:  # the step will not commit (torchft saw the error); the next quorum retries
             log.warning("replica group %d: %s; retrying at the next quorum", self.group, failure)
         self._open = True
+        took = time.perf_counter() - started
+        self.quorum_seconds += took
+        if self.healed and self.rank == 0:
+            print(f"replica group {self.group} recovered step {self.manager.current_step()} from a peer in "
+                  f"{took:.2f}s", flush=True)
         return self.healed
-
-    def seed_step(self, step: int) -> None:
-        """Seed the RNG of the step about to run from (seed, step, group, rank) only."""
-        from shardtrain.train.data.batch_plan import derive_seed
-
-        torch.manual_seed(derive_seed(self.seed, "replica-step", step, self.group, self.rank))
 
     def reduce_counts(self, targets: int, inputs: int) -> tuple[int, int] | None:
         """The quorum's (target, input) counts from this group's, and which groups they came from; None when the
@@ -172,6 +178,15 @@ class ReplicaGroups:
                                     "start every group with the same script, arguments and number of ranks")
         self.groups = groups
         return round(values[0]), round(values[1])
+
+    def participants(self) -> tuple[int, ...] | None:
+        """The groups of the quorum just formed, in order (one small sum over it); None when it failed."""
+        flags = torch.zeros(self.settings.replica_groups, dtype=torch.float64, device=self.device)
+        flags[self.group] = 1.0
+        self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        return tuple(i for i, flag in enumerate(flags.tolist()) if flag > 0.5)
 
     def reduce_grads(self, params: list[torch.nn.Parameter], extra: list[torch.Tensor]) -> None:
         """Sum this rank's gradient shards (and `extra` tensors) over the quorum, in place, in one collective."""

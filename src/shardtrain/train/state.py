@@ -33,6 +33,8 @@ class TrainerState(_HFTrainerState):
     skipped_steps: int = 0  # steps the step guard skipped (not counted in global_step; their batches were used up)
     skipped_batches: list = field(default_factory=list)  # each: step, epoch, data_step, reason, samples
     guard_window: list = field(default_factory=list)  # the step guard's recent kept losses (its spike median)
+    lost_slots: list = field(default_factory=list)  # replica groups, lost_batches "refeed": [epoch, step, group]
+    # of the shares of steps a dead group did not train, still to be given to a later step
 
     @classmethod
     def engine_fields(cls) -> set[str]:

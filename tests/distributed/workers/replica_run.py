@@ -6,10 +6,12 @@ Keys besides TrainingArguments fields: "out", "model" (llama | llama_tied | llam
 file exists, so a test can keep it from finishing while another group restarts; "hold_from": only from that
 step on), "resume".
 On train begin (the group has joined: its manager heartbeats) OUT/group<I>.started appears.
-Every group's rank 0 writes OUT/group<I>/result.json (the losses it logged, its final step) and weights.pt (the
-final whole model, gathered in the group).
+Every group's rank 0 writes OUT/group<I>/result.json (the losses it logged, its final step, a hash of its model and
+optimizer state at each step's begin and end, the lost slots still waiting) and weights.pt (the final whole model,
+gathered in the group).
 """
 
+import hashlib
 import json
 import sys
 import time
@@ -22,11 +24,27 @@ from shardtrain import Trainer, TrainerCallback, TrainingArguments
 from shardtrain.parallel.states import full_model_state
 
 
+def fingerprint(model, optimizer) -> str:
+    """A hash of this rank's model and optimizer state (bitwise: equal hashes, equal states)."""
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.sha256()
+    tensors = [*model.state_dict().values()]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        digest.update(local.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 class Losses(TrainerCallback):
-    """Every committed step's (step, loss, grad norm), from the logs each group keeps in its state."""
+    """Every committed step's (step, loss, grad norm), from the logs each group keeps in its state; the state's
+    hash at each step's begin (after a recovery) and end."""
 
     def __init__(self, sleep: float, hold: str | None, hold_from: int, started: Path) -> None:
         self.sleep, self.hold, self.hold_from, self.started, self.steps = sleep, hold, hold_from, started, []
+        self.hashes = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started.touch()
@@ -35,7 +53,11 @@ class Losses(TrainerCallback):
         if logs and "loss" in logs:
             self.steps.append([state.global_step, logs["loss"], logs["grad_norm"]])
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.hashes[f"begin{state.global_step + 1}"] = fingerprint(model, optimizer)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.hashes[f"end{state.global_step}"] = fingerprint(model, optimizer)
         time.sleep(self.sleep)
         while self.hold and state.global_step >= self.hold_from and Path(self.hold).exists():
             time.sleep(0.05)
@@ -61,7 +83,9 @@ def main(job: dict) -> None:
         mine = out / f"group{group}"
         mine.mkdir(parents=True, exist_ok=True)
         torch.save(weights, mine / "weights.pt")
-        (mine / "result.json").write_text(json.dumps({"steps": losses.steps, "global_step": trainer.state.global_step}))
+        (mine / "result.json").write_text(json.dumps({"steps": losses.steps, "global_step": trainer.state.global_step,
+                                                      "hashes": losses.hashes,
+                                                      "lost_slots": trainer.state.lost_slots}))
 
 
 if __name__ == "__main__":

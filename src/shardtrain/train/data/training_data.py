@@ -14,6 +14,7 @@ that gives up). A fresh `TrainingData` is made per `train()`, from the Trainer's
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -143,6 +144,15 @@ class TrainingData:
             batches = [next(micro_batches) for _ in range(self.accumulation_steps)]
             # a micro-batch of the epoch's short end that stands in for no sample (see BatchPlan)
             yield batches, [min(ix) < 0 for ix in plan.micro_batches(permutation, step, epoch)]
+
+    def slot_batches(self, plan: BatchPlan, epoch: int, step: int, dp_rank: int
+                     ) -> tuple[list[dict[str, Any]], list[bool]]:
+        """Data rank `dp_rank`'s micro-batches of one step, collated as that rank collates them (its seeds): a
+        replica group's lost share, re-fed to this rank (`train.loop.replica_gate`)."""
+        other = dataclasses.replace(plan, dp_rank=dp_rank)
+        loading = CollatingDataset(self.dataset, self.collator)
+        micro = other.micro_batches(other.permutation(epoch), step, epoch)
+        return [loading.__getitems__(indices) for indices in micro], [min(ix) < 0 for ix in micro]
 
     def _user_loader_plan(self, user_loader: Callable[[], Any], owner: str) -> LoaderPlan:
         """The steps of an overridden `get_train_dataloader`, checked to give every rank as many batches."""

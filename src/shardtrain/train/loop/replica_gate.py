@@ -7,10 +7,15 @@ receives, and the record of what was trained.
 
 A recovering group receives the model and optimizer shards of the same rank of a healthy group (the checkpoint
 states), the scheduler, and the trainer state's progress (steps, data position, token counts, log history), as
-JSON and safetensors (`parallel.recovery`); each step's RNG is seeded from the step (`ReplicaGroups.seed_step`),
+JSON and safetensors (`parallel.recovery`); each step's RNG is seeded from the step (`ReplicaGate.begin`),
 so there is no RNG stream to carry. Only the lowest group of a step's quorum writes the job's files for it:
 checkpoints and `committed_batches.jsonl`, one line per committed step with the groups that took part and the
 dataset indices they trained (`RECORD_FILE`).
+
+A dead group's share of a step (its slot: epoch, step, group) is lost. With `lost_batches: "refeed"` the lost
+slots wait in the trainer state (`lost_slots`, in checkpoints and in what a recovering group receives); at each
+step the i-th group of the quorum also trains the i-th waiting slot, as the group that lost it would have (its
+samples, its collation seeds), and the record names it (`refed`). So every share of every step is trained once.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardtrain.config.fault_tolerance import FaultTolerance
 from shardtrain.parallel.replicas import ReplicaGroups, layout_signature
-from shardtrain.train.data.batch_plan import BatchPlan
+from shardtrain.train.data.batch_plan import BatchPlan, derive_seed
 from shardtrain.train.data.training_data import Plan
 from shardtrain.train.step.optimizer_step import StepResult
 
@@ -36,9 +43,11 @@ class ReplicaGate:
 
     replicas: ReplicaGroups  # set by `start` (its state functions are this gate's)
 
-    def __init__(self, trainer: Any, dp_size: int) -> None:
-        self.trainer, self.group_dp = trainer, dp_size
+    def __init__(self, trainer: Any, dp_size: int, settings: FaultTolerance) -> None:
+        self.trainer, self.group_dp, self.settings = trainer, dp_size, settings
         self.record = Path(trainer.args.output_dir) / RECORD_FILE
+        self._taken: list[list[int]] = []  # the waiting slots the quorum of the open step re-feeds
+        self._mine: list[int] | None = None  # the one this group re-feeds
 
     @classmethod
     def start(cls, trainer: Any, settings: FaultTolerance, plan: Plan, max_steps: int) -> ReplicaGate:
@@ -47,10 +56,9 @@ class ReplicaGate:
         signature = layout_signature(world=trainer.runtime.world_size, layout=dims.describe(),
                                      batch=plan.global_batch_size, steps=max_steps,
                                      params=sum(p.numel() for p in trainer.model.parameters()))
-        gate = cls(trainer, dims.batch_size)
-        gate.replicas = ReplicaGroups.start(settings, device=trainer.device, seed=trainer.args.seed,
-                                            signature=signature, state_dict=gate.state_dict,
-                                            load_state_dict=gate.load_state_dict,
+        gate = cls(trainer, dims.batch_size, settings)
+        gate.replicas = ReplicaGroups.start(settings, device=trainer.device, signature=signature,
+                                            state_dict=gate.state_dict, load_state_dict=gate.load_state_dict,
                                             step=state.global_step + state.skipped_steps)
         if trainer.rank == 0 and settings.replica_group == 0 and state.global_step:
             gate.truncate_after(state.global_step)  # steps after the resumed checkpoint are trained again
@@ -58,17 +66,49 @@ class ReplicaGate:
 
     # -- the loop's gate ----------------------------------------------------------------------------------
     def begin(self, state: Any) -> bool:
-        moved = self.replicas.begin(state.global_step + state.skipped_steps)
-        self.replicas.seed_step(state.global_step + state.skipped_steps)
+        opened = not self.replicas.is_open
+        step = state.global_step + state.skipped_steps
+        moved = self.replicas.begin(step)
+        # the step's RNG from (seed, step, group, rank) only: a healed group and a resumed job draw what an
+        # uninterrupted one would
+        torch.manual_seed(derive_seed(self.trainer.args.seed, "replica-step", step, self.replicas.group,
+                                      self.trainer.rank))
+        if opened or moved:  # who re-feeds what in this quorum (every group of it decides alike)
+            self._taken, self._mine = [], None
+            if self.settings.lost_batches == "refeed" and state.lost_slots:
+                groups = self.replicas.participants()
+                if groups is not None:
+                    self._taken = [list(slot) for slot in state.lost_slots[:len(groups)]]
+                    place = groups.index(self.replicas.group)
+                    self._mine = self._taken[place] if place < len(self._taken) else None
         return moved
 
+    def extend(self, data: Any, plan: Plan, batches: list[Any], placeholders: list[bool]
+               ) -> tuple[list[Any], list[bool]]:
+        if self._mine is None:
+            return batches, placeholders
+        epoch, step, group = self._mine
+        rank = group * self.group_dp + self.trainer.runtime.dp_rank
+        more, flags = data.slot_batches(plan, epoch, step, rank)
+        return [*batches, *more], [*placeholders, *flags]
+
     def committed(self, plan: Plan, epoch: int, step: int, result: StepResult) -> None:
+        state = self.trainer.state
+        refed = self._taken
+        if self.settings.lost_batches == "refeed":  # every group keeps the same list
+            lost = [[epoch, step, g] for g in range(self.settings.replica_groups) if g not in result.groups]
+            state.lost_slots = [slot for slot in state.lost_slots[len(refed):]] + lost
+        self._taken, self._mine = [], None
         if not (self.replicas.writes and self.trainer.rank == 0):
             return
-        line = {"step": self.trainer.state.global_step, "epoch": epoch, "data_step": step,
-                "groups": list(result.groups)}
+        line = {"step": state.global_step, "epoch": epoch, "data_step": step, "groups": list(result.groups)}
+        if refed:
+            line["refed"] = refed
         if isinstance(plan, BatchPlan):
-            line["samples"] = sorted(self.samples(plan, epoch, step, result.groups))
+            samples = self.samples(plan, epoch, step, result.groups)
+            for e, s, g in refed:
+                samples += self.samples(plan, e, s, (g,))
+            line["samples"] = sorted(samples)
         with self.record.open("a") as out:
             out.write(json.dumps(line) + "\n")
 
@@ -146,8 +186,6 @@ def check_replica_inputs(args: Any, plan: Plan, *, xla: bool) -> None:
 
 def _with_values(local: Any, received: Any) -> Any:
     """`local` (tensors filled already) with the received non-tensor values (learning rates, step counts)."""
-    import torch
-
     if isinstance(local, torch.Tensor):
         return local
     if isinstance(local, dict) and isinstance(received, dict):

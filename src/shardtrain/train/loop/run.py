@@ -74,6 +74,10 @@ class StepGate(Protocol):
     def begin(self, state: TrainerState) -> bool:
         """Before a step's batches are read; True when the state moved (recovered from a peer)."""
 
+    def extend(self, data: TrainingData, plan: Plan, batches: list[Any], placeholders: list[bool]
+               ) -> tuple[list[Any], list[bool]]:
+        """The step's micro-batches with a lost share of an earlier step this rank re-feeds (if any)."""
+
     def committed(self, plan: Plan, epoch: int, step: int, result: StepResult) -> None:
         """After a committed step (the record of what was trained)."""
 
@@ -136,6 +140,8 @@ class TrainingRun:
                     state.data_epoch, state.data_step = epoch, step + 1
                     continue
                 try:
+                    if self.gate is not None:
+                        batches, placeholders = self.gate.extend(data, plan, batches, placeholders)
                     hooks.fire("on_step_begin")
                     result = hooks.optimizer_step(batches, placeholders)
                     if not result.committed:
