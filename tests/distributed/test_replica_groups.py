@@ -82,13 +82,15 @@ def kill_tree(pid: int) -> None:
         proc.send_signal(signal.SIGKILL)
 
 
-def one_process(tmp: Path, **job) -> dict:
-    """The reference: train_run.py on one process, the same global batch (8 samples per step)."""
+def one_process(tmp: Path, ranks: int = 1, **job) -> dict:
+    """The reference: train_run.py on one process (or `ranks` without torchft), the same global batch (8 samples
+    per step)."""
     from launch import torchrun
 
-    out = tmp / "reference"
-    torchrun(WORKERS / "train_run.py", 1, json.dumps([{"out": str(out), "model": TIE, "weights": True,
-                                                       "per_device_train_batch_size": 8, **job}]), timeout=300)
+    out = tmp / f"reference{ranks}"
+    torchrun(WORKERS / "train_run.py", ranks, json.dumps([{"out": str(out), "model": TIE, "weights": True,
+                                                           "per_device_train_batch_size": 8 // ranks, **job}]),
+             timeout=300)
     return json.loads((out / "result.json").read_text()) | {"weights": torch.load(out / "weights.pt")}
 
 
@@ -136,6 +138,10 @@ def test_groups_without_a_failure_equal_one_process(tmp_path, nproc, reference, 
     assert [s[2] for s in results[0]["steps"]] == pytest.approx(reference["grad_norms"], abs=1e-5)
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # bitwise
     assert_close(weights[0], reference["weights"], 1e-5)
+    if nproc == 1:  # and the same layout without torchft: one job of 2 ranks
+        plain = one_process(tmp_path, ranks=2, max_steps=6)
+        assert [s[1] for s in results[0]["steps"]] == pytest.approx(plain["losses"], abs=1e-5)
+        assert_close(weights[0], plain["weights"], 1e-5)
     lines = record(out)
     assert [line["step"] for line in lines] == list(range(1, 7)) and all(line["groups"] == [0, 1] for line in lines)
     assert all(len(line["samples"]) == 8 for line in lines)
