@@ -39,8 +39,8 @@ def start_group(out: Path, group: int, lighthouse: str, nproc: int = 1, min_repl
                 **job) -> subprocess.Popen:
     """Replica group `group` as its own torchrun job (its own session: a kill takes all its processes)."""
     ft = {"replica_group": group, "replica_groups": 2, "lighthouse": lighthouse, "recovery_host": "127.0.0.1",
-          "timeout": 15, "quorum_timeout": job.pop("quorum_timeout", 60), "min_replicas": min_replicas,
-          "lost_batches": job.pop("lost_batches", "skip")}
+          "timeout": job.pop("timeout", 15), "quorum_timeout": job.pop("quorum_timeout", 60),
+          "min_replicas": min_replicas, "lost_batches": job.pop("lost_batches", "skip")}
     job = {"out": str(out), "model": TIE, "per_device_train_batch_size": 4 // nproc, "fault_tolerance": ft, **job}
     log = open(out.parent / f"{out.name}-group{group}.log", "a")
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -214,7 +214,7 @@ def test_a_group_with_another_layout_or_no_lighthouse_stops_with_one_line(tmp_pa
     alone.mkdir()
     try:
         groups = [start_group(out, g, address, min_replicas=2, max_steps=6 + g, quorum_timeout=20) for g in (0, 1)]
-        nowhere = start_group(alone, 0, "http://127.0.0.1:9", max_steps=4, quorum_timeout=3)
+        nowhere = start_group(alone, 0, "http://127.0.0.1:9", max_steps=4, quorum_timeout=3, timeout=3)
         codes = [proc.wait(timeout=120) for proc in [*groups, nowhere]]
     finally:
         lighthouse.terminate()
@@ -225,7 +225,7 @@ def test_a_group_with_another_layout_or_no_lighthouse_stops_with_one_line(tmp_pa
         assert f"error: replica group {g}: a group of the quorum [0, 1] runs another layout" in log, log[-3000:]
     log = (tmp_path / "alone-group0.log").read_text()
     assert re.search(r"error: replica group 0: (no quorum at step 0 within 3s|cannot reach the lighthouse at "
-                     r"http://127.0.0.1:9)", log), log[-3000:]
+                     r"http://127.0.0.1:9 \()", log), log[-3000:]
     assert not (out / "committed_batches.jsonl").exists()  # nothing was committed, nothing written
 
 
