@@ -31,6 +31,7 @@ from shardtrain.config.fault_tolerance import FaultTolerance
 from shardtrain.parallel.replicas import ReplicaGroups, layout_signature
 from shardtrain.train.data.batch_plan import BatchPlan, derive_seed
 from shardtrain.train.data.training_data import Plan
+from shardtrain.train.metrics.logger import truncate_jsonl
 from shardtrain.train.step.optimizer_step import StepResult
 
 RECORD_FILE = "committed_batches.jsonl"
@@ -122,13 +123,7 @@ class ReplicaGate:
         return found
 
     def truncate_after(self, step: int) -> None:
-        if not self.record.is_file():
-            return
-        kept = [line for line in self.record.read_text().splitlines() if line.strip() and
-                json.loads(line)["step"] <= step]
-        tmp = self.record.with_name(self.record.name + ".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        tmp.replace(self.record)
+        truncate_jsonl(self.record, step)
 
     @property
     def writes(self) -> bool:

@@ -116,19 +116,7 @@ class MetricsLogger:
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics.jsonl lines of steps after `step`: a resumed run logs those steps again."""
-        path = self.output_dir / "metrics.jsonl"
-        if not path.is_file():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except ValueError:
-                continue  # a line cut short by a crash
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f"{line}\n" for line in kept))
-        tmp.replace(path)
+        truncate_jsonl(self.output_dir / "metrics.jsonl", step)
 
     def throughput_and_memory(self, all_gather: Callable[[torch.Tensor], list[torch.Tensor]],
                               device: torch.device) -> dict[str, Any]:
@@ -152,3 +140,20 @@ class MetricsLogger:
 
     def close(self) -> None:
         return None
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep the lines of a JSON-lines file whose "step" is at most `step` (a line cut short by a crash goes too),
+    replacing the file atomically; a missing file stays missing."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
