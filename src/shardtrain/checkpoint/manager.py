@@ -125,6 +125,7 @@ class CheckpointManager:
         self.rank = collectives.get_rank()
         self.writes = AtomicWrites(self.output_dir, self.rank)  # the temporary directory, agreement, commit
         self._async = AsyncSaver(self)
+        self.saved_step: int | None = None  # the newest checkpoint's step: saved (or started) here, or resumed from
 
     @property
     def model(self) -> nn.Module:
@@ -161,6 +162,7 @@ class CheckpointManager:
         fault_point("before_commit", step)
         self.writes.run_agreed(lambda: self.commit(tmp, final, step, state.best_model_checkpoint)
                                if self.rank == 0 else None, tmp, step)
+        self.saved_step = step
         return final
 
     def save_async(self, step: int, state: Any, *, model_only: bool = False) -> Path:
@@ -178,7 +180,9 @@ class CheckpointManager:
         """
         if self.hf_layout:
             return self.save(step, state, model_only=model_only)
-        return self._async.save(step, state, model_only=model_only)
+        path = self._async.save(step, state, model_only=model_only)
+        self.saved_step = step
+        return path
 
     def wait(self) -> Path | None:
         """Wait for the async save in flight (collective); returns its committed path, or None if none was.

@@ -72,6 +72,28 @@ def engine_accelerator(backend: Any, args: Any = None, standing_in: Callable[[],
     return accelerator
 
 
+class LazyAccelerator:
+    """The Trainer's `accelerator` attribute: an `engine_accelerator` built on first use from the Trainer's
+    `backend`, `args` and `loss_computer` (never before a library asks for it); an assignment replaces it, and
+    None makes the next use build it again (after a hyperparameter trial changed the arguments)."""
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        if trainer is None:
+            return self
+        if trainer.__dict__.get("_accelerator") is None:
+            trainer.__dict__["_accelerator"] = engine_accelerator(
+                trainer.backend, trainer.args, standing_in=trainer.loss_computer.standing_in)
+        return trainer.__dict__["_accelerator"]
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        trainer.__dict__["_accelerator"] = value
+
+    @staticmethod
+    def built(trainer: Any) -> Any:
+        """The accelerator if one was built (or set), else None: nothing is built."""
+        return trainer.__dict__.get("_accelerator")
+
+
 def _without_stand_ins(accelerator: Any, standing_in: Callable[[], bool]) -> Callable[..., Any]:
     """Accelerate's `gather_for_metrics`, leaving out the ranks whose micro-batch is a placeholder. Where every
     rank's is (a micro-step past an epoch's last sample), each contributes zeros: sums stay the one process's

@@ -1,8 +1,10 @@
 """The Trainer's side of its parts' callbacks: `TrainerLoopHooks` for the loop (`TrainingRun`),
-`TrainerStepHooks` for one optimizer step (`OptimizerStep`) and `trainer_eval_loop` for evaluation
+`TrainerStepHooks` for one optimizer step (`OptimizerStep`) and `TrainerEvalHooks` for evaluation
 (`EvalLoop`). They are where the engine's parts meet Hugging Face's surface: callbacks fired through the
 Trainer's handler, `training_step` and `prediction_step` called with Hugging Face's signatures, the Trainer's
-optimizer and scheduler stepped.
+optimizer and scheduler stepped. They read the Trainer's public members; the private names they call are Hugging
+Face's own override points and attributes (`_evaluate`, `_save_checkpoint`, `_get_output_dir`, `_trial`,
+`_train_batch_size`), called where Hugging Face's loop calls them, so a subclass's override is honoured.
 
     TrainingRun.run(...) -> TrainerLoopHooks.optimizer_step -> OptimizerStep.run
         -> TrainerStepHooks.micro_step(MicroStep) -> Trainer.training_step -> compute_loss
@@ -10,7 +12,6 @@ optimizer and scheduler stepped.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,14 +23,15 @@ from transformers import TrainerControl
 from shardtrain.checkpoint.hf_files import saved_processor
 from shardtrain.checkpoint.layout import PREFIX
 from shardtrain.errors import TrainingArgumentsError
+from shardtrain.parallel.accelerate_bridge import LazyAccelerator
 from shardtrain.parallel.fsdp import reshard_all
 from shardtrain.train.data.training_data import Plan, TrainingData
 from shardtrain.train.eval.generation import eval_generator
-from shardtrain.train.eval.loop import EvalLoop
+from shardtrain.train.eval.loop import EvalLoop, EvalSettings
 from shardtrain.train.step.batch_finder import smaller_batch
 from shardtrain.train.step.micro import MicroStep
 from shardtrain.train.step.optim import discard_step, step_optimizer_and_scheduler
-from shardtrain.train.step.optimizer_step import StepResult
+from shardtrain.train.step.optimizer_step import OptimizerStep, StepResult
 from shardtrain.train.step.step_flow import BestMetric, LossWindow
 
 
@@ -58,11 +60,13 @@ class TrainerParts:
 
 
 class TrainerLoopHooks:
-    """`LoopHooks` on a Trainer (`trainer`: shardtrain's `Trainer`, or a subclass) for one `train()`;
+    """`LoopHooks` on a Trainer (`trainer`: shardtrain's `Trainer`, or a subclass) for one `train()`: `step` runs
+    each optimizer step (`by_samples`: the loss is a mean per micro-batch, weighted by its samples);
     `ignore_keys`: `train(ignore_keys_for_eval=...)`, for the evaluations during training."""
 
-    def __init__(self, trainer: Any, ignore_keys: list[str] | None = None) -> None:
-        self.trainer, self.ignore_keys = trainer, ignore_keys
+    def __init__(self, trainer: Any, step: OptimizerStep, *, by_samples: bool = False,
+                 ignore_keys: list[str] | None = None) -> None:
+        self.trainer, self.step, self.by_samples, self.ignore_keys = trainer, step, by_samples, ignore_keys
         model = trainer.model  # Hugging Face's total_flos estimate: 6 x non-embedding parameters x tokens
         count = getattr(model, "num_parameters", None)
         self.flop_params = count(exclude_embeddings=True) if callable(count) else \
@@ -73,7 +77,7 @@ class TrainerLoopHooks:
         return self.trainer.control
 
     def fire(self, event: str) -> None:
-        self.trainer._fire(event)
+        self.trainer.call_event(event)
 
     def log(self, logs: dict[str, float]) -> None:
         self.trainer.log(logs)
@@ -82,10 +86,12 @@ class TrainerLoopHooks:
         """`training_step` on each micro-batch, then clip and step (`OptimizerStep`); the state counts the step's
         input tokens and Hugging Face's flos estimate."""
         trainer = self.trainer
-        batches = [trainer._model_inputs(b) if isinstance(b, Mapping) else b for b in batches]
+        with_labels = trainer.labels_from_inputs  # a library's trainer gets its collator's batches as they are
+        batches = [trainer.preparation.inputs(b, trainer.loss_computer, with_labels=with_labels)
+                   if isinstance(b, Mapping) else b for b in batches]
         trainer.current_gradient_accumulation_steps = len(batches)  # Hugging Face's, read by libraries' losses
-        result = trainer._engine_step.run(batches, placeholders, TrainerStepHooks(trainer),
-                                          step=trainer.state.global_step, by_samples=trainer._loss_per_sample)
+        result = self.step.run(batches, placeholders, TrainerStepHooks(trainer), step=trainer.state.global_step,
+                               by_samples=self.by_samples)
         trainer.state.num_input_tokens_seen += result.input_tokens
         trainer.state.total_flos += 6.0 * self.flop_params * result.input_tokens
         return result
@@ -130,14 +136,13 @@ class TrainerLoopHooks:
                   f"x {trainer.args.gradient_accumulation_steps * configured // smaller} accumulation steps, the "
                   "same global batch", file=sys.stderr, flush=True)
         trainer._train_batch_size = trainer.state.train_batch_size = smaller
-        data = trainer._training_data()
-        return data, trainer._plan(data)
+        return trainer.training_plan()
 
     def checkpoint_for_exit(self) -> None:
         trainer = self.trainer
-        if trainer._saved_step != trainer.state.global_step:
+        if trainer.checkpoint_manager.saved_step != trainer.state.global_step:
             trainer._save_checkpoint(trainer.model, trainer._trial)
-        trainer._checkpoints().wait()
+        trainer.checkpoint_manager.wait()
 
 
 class TrainerStepHooks:
@@ -151,7 +156,7 @@ class TrainerStepHooks:
         trainer, num_items = self.trainer, micro.num_items
         # Hugging Face sets Accelerate's sync_gradients per micro-batch (TRL's GRPO reads it); only an
         # accelerator a library has asked for exists
-        accelerator = trainer.__dict__.get("_accelerator")
+        accelerator = LazyAccelerator.built(trainer)
         if accelerator is not None:
             accelerator.gradient_state._set_sync_gradients(micro.is_last)
         try:  # (training_step reads the rest of `micro` as the loss's current micro-step)
@@ -165,7 +170,7 @@ class TrainerStepHooks:
         return trainer.loss_units.to_sum(loss, num_items) if num_items is not None else loss
 
     def between_micro_steps(self) -> None:
-        self.trainer._fire("on_substep_end")
+        self.trainer.call_event("on_substep_end")
 
     def discard_step(self) -> float:
         trainer = self.trainer
@@ -174,41 +179,58 @@ class TrainerStepHooks:
     def optimizer_step(self) -> float:
         trainer = self.trainer
         return step_optimizer_and_scheduler(trainer.optimizer, trainer.lr_scheduler, trainer.backend,
-                                            fire=trainer._fire)
+                                            fire=trainer.call_event)
+
+
+class TrainerEvalHooks:
+    """`EvalHooks` on a Trainer for one `evaluation_loop` call: its model inputs, an overridden `prediction_step`
+    (or `compute_loss`: Seq2SeqTrainer's, TRL's) in place of the engine's forward, `generate` under
+    `predict_with_generate`, `preprocess_logits_for_metrics`, `on_prediction_step` after each batch."""
+
+    def __init__(self, trainer: Any, ignore_keys: list[str] | None) -> None:
+        self.trainer, self.ignore_keys, args = trainer, ignore_keys, trainer.args
+        self.own_step = trainer.overrides("prediction_step") or trainer.custom_loss
+        if self.own_step and trainer.pipeline is not None:
+            raise TrainingArgumentsError(
+                f"pp_size = {trainer.dims.pp} with an overridden prediction_step / compute_loss: evaluation under a "
+                "pipeline runs the stages' forward and the token loss on the last stage; use the default ones, or "
+                "pp_size 1")
+        self.generates = bool(args.predict_with_generate) and not self.own_step
+        self._generator = eval_generator(trainer.model, causal_lm=trainer.loss_computer.shift_labels,
+                                         max_length=args.generation_max_length,
+                                         num_beams=args.generation_num_beams) if self.generates else None
+
+    def model_inputs(self, batch: dict) -> dict:
+        return self.trainer.preparation.inputs(batch, self.trainer.loss_computer, with_labels=False)
+
+    def prediction_step(self, inputs: dict, loss_only: bool) -> tuple:
+        trainer = self.trainer
+        loss, logits, labels = trainer.prediction_step(trainer.model, inputs, loss_only, self.ignore_keys)
+        if isinstance(logits, list):
+            logits = tuple(logits)
+        return loss, (logits or None) if isinstance(logits, tuple) else logits, labels
+
+    def generate(self, batch: dict) -> tuple[list, list]:
+        return self._generator(batch)
+
+    def preprocess(self, logits: Any, labels: Any) -> Any:
+        preprocess = self.trainer.preprocess_logits_for_metrics
+        return preprocess(logits, labels) if preprocess is not None else logits
+
+    def batch_done(self, steps: int | None) -> None:
+        # callbacks see a sized eval_dataloader (Hugging Face's bar reads it); a stream's is unknown
+        self.trainer.callback_handler.eval_dataloader = range(steps) if steps is not None else None
+        self.trainer.call_event("on_prediction_step")
 
 
 def trainer_eval_loop(trainer: Any, description: str, ignore_keys: list[str] | None) -> EvalLoop:
-    """The `EvalLoop` of one `evaluation_loop` call ("Evaluation" or "Prediction") on `trainer`: its model, loss
-    and arguments; an overridden `prediction_step` (or `compute_loss`: Seq2SeqTrainer's, TRL's) in place of the
-    engine's forward; `generate` under `predict_with_generate`; `on_prediction_step` after each batch."""
+    """The `EvalLoop` of one `evaluation_loop` call ("Evaluation" or "Prediction") on `trainer`."""
     args = trainer.args
-    user_step = None
-    if trainer._overrides("prediction_step") or trainer._custom_loss:
-        def user_step(inputs: dict, loss_only: bool) -> tuple:
-            loss, logits, labels = trainer.prediction_step(trainer.model, inputs, loss_only, ignore_keys)
-            if isinstance(logits, list):
-                logits = tuple(logits)
-            return loss, (logits or None) if isinstance(logits, tuple) else logits, labels
-    if user_step is not None and trainer.pipeline is not None:
-        raise TrainingArgumentsError(
-            f"pp_size = {trainer.dims.pp} with an overridden prediction_step / compute_loss: evaluation under a "
-            "pipeline runs the stages' forward and the token loss on the last stage; use the default ones, or "
-            "pp_size 1")
-    generate = None
-    if args.predict_with_generate and user_step is None:
-        generate = eval_generator(trainer.model, causal_lm=trainer.loss_computer.shift_labels,
-                                  max_length=args.generation_max_length, num_beams=args.generation_num_beams)
-
-    def batch_done(steps: int | None) -> None:  # callbacks see a sized eval_dataloader (Hugging Face's bar reads it)
-        trainer.callback_handler.eval_dataloader = range(steps) if steps is not None else None  # a stream: unknown
-        trainer._fire("on_prediction_step")
-
-    return EvalLoop(trainer.runtime, trainer.model, trainer.loss_computer, args.per_device_eval_batch_size,
-                    preprocess=trainer.preprocess_logits_for_metrics, on_step=batch_done,
-                    prepare=functools.partial(trainer._model_inputs, add_labels=False), generate=generate,
-                    prediction_step=user_step, batch_metrics=args.batch_eval_metrics,
-                    keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
-                    inputs_key=getattr(trainer.model, "main_input_name", "input_ids")
-                    if "inputs" in (args.include_for_metrics or []) else None,
-                    label_names=tuple(trainer.label_names), drop_last=args.dataloader_drop_last,
-                    pipeline=trainer.pipeline)
+    settings = EvalSettings(per_device_batch_size=args.per_device_eval_batch_size,
+                            batch_metrics=args.batch_eval_metrics,
+                            keep_predictions=description == "Prediction" or not args.batch_eval_metrics,
+                            inputs_key=getattr(trainer.model, "main_input_name", "input_ids")
+                            if "inputs" in (args.include_for_metrics or []) else None,
+                            label_names=tuple(trainer.label_names))
+    return EvalLoop(trainer.runtime, trainer.model, trainer.loss_computer, settings,
+                    TrainerEvalHooks(trainer, ignore_keys), pipeline=trainer.pipeline)

@@ -5,24 +5,29 @@ Hugging Face's DDP the other ranks would train on alone and wait for rank 0 fore
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import torch
-
-from shardtrain.parallel.runtime import Runtime
+import transformers
 
 
 class PrunedElsewhere(Exception):
     """Rank 0's study pruned the current trial; a rank other than 0 leaves `train()` (which returns)."""
 
 
-def report_agreed(report: Callable[[], None], *, runtime: Runtime, on_pruned: Callable[[], None]) -> None:
-    """Run Hugging Face's `_report_to_hp_search` (`report`) on every rank and agree on rank 0's pruning.
+def report_to_hp_search(trainer: Any, trial: Any, step: int, metrics: dict[str, float]) -> None:
+    """Hugging Face's `_report_to_hp_search` on `trainer` (a trial's intermediate objective to its study); on
+    several ranks under optuna, run on every rank and rank 0's pruning agreed.
 
     Raises:
         optuna.TrialPruned: on rank 0, when its study prunes the trial (optuna's `study.optimize` catches it).
-        PrunedElsewhere: on every other rank then, after `on_pruned` (the `on_train_end` callbacks rank 0 ran).
+        PrunedElsewhere: on every other rank then, after the `on_train_end` callbacks (which rank 0 ran).
     """
+    def report() -> None:
+        transformers.Trainer._report_to_hp_search(trainer, trial, step, metrics)
+
+    if trainer.world_size == 1 or trial is None or trainer.hp_search_backend != "optuna":
+        return report()
     import optuna
 
     pruned: optuna.TrialPruned | None = None
@@ -30,11 +35,12 @@ def report_agreed(report: Callable[[], None], *, runtime: Runtime, on_pruned: Ca
         report()
     except optuna.TrialPruned as err:
         pruned = err
+    runtime = trainer.runtime
     flag = torch.tensor([float(pruned is not None)], device=runtime.device)
     runtime.backend.broadcast(flag, src=0)
     if flag.item() == 0:
-        return
+        return None
     if runtime.rank == 0:
         raise pruned if pruned is not None else optuna.TrialPruned()
-    on_pruned()
+    trainer.call_event("on_train_end")
     raise PrunedElsewhere()

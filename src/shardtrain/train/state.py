@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl
 from transformers import TrainerState as _HFTrainerState
+from transformers.trainer_callback import ExportableState
 
 from shardtrain.checkpoint.layout import ENGINE_STATE_FILE, STATE_FILE
 
@@ -58,3 +59,16 @@ class TrainerState(_HFTrainerState):
     def from_dict(cls, data: dict[str, Any]) -> TrainerState:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def store_callback_states(state: TrainerState, stateful: list[Any]) -> None:
+    """Hugging Face's: the state of every `ExportableState` among `stateful` (callbacks, and the control) into
+    `state.stateful_callbacks`, which `trainer_state.json` saves and a resume restores (several of one class: a
+    list, in order)."""
+    for callback in stateful:
+        if isinstance(callback, ExportableState):
+            name, saved = type(callback).__name__, callback.state()
+            if isinstance(state.stateful_callbacks.get(name), list):
+                state.stateful_callbacks[name].append(saved)
+            else:
+                state.stateful_callbacks[name] = saved

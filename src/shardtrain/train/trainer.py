@@ -21,7 +21,6 @@ meets each of Hugging Face's methods in one place. See docs/architecture.md for 
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import os
 import random
@@ -34,12 +33,11 @@ import numpy as np
 import torch
 import transformers
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, SequentialSampler, Subset
+from torch.utils.data import DataLoader, Sampler, SequentialSampler
 from transformers.integrations.neftune import activate_neftune, deactivate_neftune
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
-    ExportableState,
     PrinterCallback,
     ProgressCallback,
 )
@@ -65,7 +63,7 @@ from shardtrain.errors import (
     install_error_hook,
 )
 from shardtrain.parallel import layout_choice
-from shardtrain.parallel.accelerate_bridge import engine_accelerator
+from shardtrain.parallel.accelerate_bridge import LazyAccelerator
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train import verify
 from shardtrain.train.args.checks import check_compute_metrics
@@ -73,6 +71,7 @@ from shardtrain.train.args.handover import engine_arguments
 from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides, set_hf_attributes
 from shardtrain.train.args.preflight import (
     DatasetChecks,
+    check_model_source,
     check_output_dir,
     check_pipeline_inputs,
     check_training_inputs,
@@ -89,9 +88,9 @@ from shardtrain.train.data.streaming import StreamPlan, check_stream_arguments, 
 from shardtrain.train.data.training_data import TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
 from shardtrain.train.data.validation import ModelLimits
-from shardtrain.train.eval.loaders import ShareLoader
+from shardtrain.train.eval.loaders import ShareLoader, in_sampler_order
 from shardtrain.train.hooks import TrainerLoopHooks, TrainerParts, trainer_eval_loop
-from shardtrain.train.hp_search import PrunedElsewhere, report_agreed
+from shardtrain.train.hp_search import PrunedElsewhere, report_to_hp_search
 from shardtrain.train.loop.replica_gate import ReplicaGate, check_replica_inputs
 from shardtrain.train.loop.resume import Resume
 from shardtrain.train.loop.run import TrainingRun, first_state, log_training_plan
@@ -99,7 +98,7 @@ from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_
 from shardtrain.train.model.export import ModelExport, save_through_override, write_model_card
 from shardtrain.train.model.lora import adapter_files
 from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
-from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState
+from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState, store_callback_states
 from shardtrain.train.step.guard import GuardedRun
 from shardtrain.train.step.loss import LossComputer
 from shardtrain.train.step.loss_units import LossUnits
@@ -132,7 +131,9 @@ class Trainer(transformers.Trainer):
     `get_train_dataloader`/`get_eval_dataloader`, `_get_train_sampler`/`_get_eval_sampler`, `_prepare_inputs`,
     `_evaluate`, `_save_checkpoint`, `_load_optimizer_and_scheduler`; an overridden `_save` is called by
     `save_model`. Every other method of Hugging Face's is inherited or replaced (`hf_methods`: overriding a
-    replaced one is refused when the subclass is built).
+    replaced one is refused when the subclass is built). The engine's own public members, which its parts
+    (`train/hooks.py`) read: `runtime`, `spec`, `preparation`, `loss_computer`, `pipeline`, `overrides(name)`,
+    `custom_loss`, `call_event(event)`, `training_plan()`, `checkpoint_manager`.
 
     Args:
         model: an `nn.Module` (Hugging Face model or any module whose forward takes the batch keys), or the
@@ -184,7 +185,7 @@ class Trainer(transformers.Trainer):
         property(lambda self, _name=name: getattr(self.runtime, _name), doc=f"`self.runtime.{name}`")
         for name in ("backend", "dims", "meshes", "cp", "rank", "world_size", "device", "dp_rank"))
 
-    def _overrides(self, name: str) -> bool:
+    def overrides(self, name: str) -> bool:
         """Whether a subclass (a user's, a library's) defines `name` over shardtrain's and transformers'."""
         return owner(type(self), name) not in (Trainer, transformers.Trainer)
 
@@ -223,16 +224,8 @@ class Trainer(transformers.Trainer):
         check_output_dir(args.output_dir)
         set_seed(args.seed)
         self.model_init, self._peft_config = model_init, peft_config
-        if model_init is not None and model is not None:
-            raise TrainingArgumentsError("Trainer got both a model and a model_init function; pass one of them "
-                                         "(model_init builds a fresh model at every train(), as in transformers)")
-        if model_init is not None and any(part is not None for part in optimizers):
-            raise TrainingArgumentsError("Trainer(model_init=..., optimizers=...): the optimizer would belong to a "
-                                         "model that train() replaces; pass optimizer_cls_and_kwargs, or override "
-                                         "create_optimizer_and_scheduler")
+        check_model_source(model, model_init, optimizers)
         if model is None:
-            if model_init is None:
-                raise TrainingArgumentsError("Trainer needs a model or a model_init function")
             model = self.call_model_init()
         self._install_model(model)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -244,7 +237,7 @@ class Trainer(transformers.Trainer):
         self._signature_columns: list[str] | None = None
         keep_columns = None
         # a library that builds its own dataloaders (sentence-transformers) keeps the columns its collator reads
-        owns_loading = not self.labels_from_inputs and self._overrides("get_train_dataloader")
+        owns_loading = not self.labels_from_inputs and self.overrides("get_train_dataloader")
         if args.remove_unused_columns and not owns_loading:
             self._set_signature_columns_if_needed()
             keep_columns = frozenset(self._signature_columns)
@@ -273,9 +266,8 @@ class Trainer(transformers.Trainer):
         self.control = TrainerControl()
         self.logger = MetricsLogger(spec.output_dir, is_main=self.is_world_process_zero())
         self.preemption = PreemptionHandler()
-        self._saved_step: int | None = None  # the step of the newest checkpoint this run wrote
         set_hf_attributes(self)
-        self._fire("on_init_end")
+        self.call_event("on_init_end")
         self._memory_tracker.stop_and_update_metrics()
 
     # -- the model ----------------------------------------------------------------------------------------
@@ -287,7 +279,7 @@ class Trainer(transformers.Trainer):
         # an overridden `_save` (a library's writer) is handed a whole copy of the model on rank 0, built from this
         # skeleton (the module before sharding, on the meta device) and the gathered weights
         self._save_skeleton = copy.deepcopy(model).to("meta") \
-            if self._overrides("_save") and isinstance(model, nn.Module) else None
+            if self.overrides("_save") and isinstance(model, nn.Module) else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
         self.pipeline = self.preparation.pipeline(self.model)  # this rank's stage and schedule (pp > 1)
@@ -308,11 +300,6 @@ class Trainer(transformers.Trainer):
         self._install_model(self.call_model_init(trial))
         self.optimizer, self.lr_scheduler = None, None
 
-    def _model_inputs(self, batch: dict[str, torch.Tensor], add_labels: bool = True) -> dict[str, Any]:
-        """A collated batch as the model gets it (`ModelPreparation.inputs`): labels made from the inputs unless
-        `add_labels` is False or the Trainer is a library's."""
-        return self.preparation.inputs(batch, self.loss_computer, with_labels=add_labels and self.labels_from_inputs)
-
     def _parallelize_side_models(self) -> None:
         """A library's frozen extra models (TRL's `ref_model`, `teacher_model`, ...) sharded like the trained one,
         so that no rank holds a full copy while training."""
@@ -321,7 +308,8 @@ class Trainer(transformers.Trainer):
             if isinstance(side, nn.Module) and side is not self.model:
                 setattr(self, name, self.preparation.prepare_frozen(side))
 
-    def _checkpoints(self) -> CheckpointManager:
+    @property
+    def checkpoint_manager(self) -> CheckpointManager:
         """The Trainer's one `CheckpointManager` (it holds an async save in flight, its gloo group and buffers)."""
         manager = getattr(self, "_checkpoint_manager", None)
         # Hugging Face's run directory: output_dir, or output_dir/run-<trial> under hyperparameter_search
@@ -347,9 +335,9 @@ class Trainer(transformers.Trainer):
         self._hp_search_setup(trial)  # Hugging Face's: a trial's hyperparameters into args (and self._trial)
         self.backend.prepare_forward(self.model)  # after a library's own patches, as Accelerate's prepare
         check_training_inputs(args, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                              cp_size=self.dims.cp, custom_loss=self._custom_loss)
+                              cp_size=self.dims.cp, custom_loss=self.custom_loss)
         if self.pipeline is not None:
-            check_pipeline_inputs(args, stages=self.dims.pp, custom_loss=self._custom_loss,
+            check_pipeline_inputs(args, stages=self.dims.pp, custom_loss=self.custom_loss,
                                   loss_kind=self.loss_computer.kind, per_sample=self._loss_per_sample)
         self._check_datasets()
         resume = Resume.read(resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
@@ -361,8 +349,7 @@ class Trainer(transformers.Trainer):
             self._train_batch_size = configured
         if resume is not None and args.auto_find_batch_size:  # the batch the checkpointed run had come down to
             self._train_batch_size = resume.per_device_batch(configured)
-        data = self._training_data()
-        plan = self._plan(data)
+        data, plan = self.training_plan()
         if isinstance(plan, StreamPlan):
             check_stream_arguments(args)
         elif isinstance(plan, LoaderPlan):
@@ -373,10 +360,10 @@ class Trainer(transformers.Trainer):
         self.state = first_state(args, plan, max_steps, rank=self.rank, train_batch_size=self._train_batch_size,
                                  stateful=[*self.callback_handler.callbacks, self.control])
         if resume is not None:
-            self.state = resume.restore(self._checkpoints(), self.state, plan, max_steps, args=args, rank=self.rank)
+            self.state = resume.restore(self.checkpoint_manager, self.state, plan, max_steps, args=args, rank=self.rank)
             self._load_callback_state()  # Hugging Face's: stateful callbacks (and the control) as saved
             self._load_optimizer_and_scheduler(str(resume.path))  # (restored already; an override's own state)
-            self._saved_step = self.state.global_step  # its checkpoint exists
+            self.checkpoint_manager.saved_step = self.state.global_step  # its checkpoint exists
             if self.rank == 0:
                 self.logger.truncate_after(self.state.global_step)  # steps after it will be logged again
         # this run's step (its max_grad_norm may be a trial's)
@@ -396,7 +383,7 @@ class Trainer(transformers.Trainer):
                             nan_inf_filter=args.logging_nan_inf_filter)
         self.model.train()
         self.control.should_training_stop = False
-        self._fire("on_train_begin")
+        self.call_event("on_train_begin")
         self.logger.start(self.state.global_step, max_steps, self.state.num_input_tokens_seen)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
@@ -406,8 +393,10 @@ class Trainer(transformers.Trainer):
         run = TrainingRun(state=self.state, guarded=self._guarded, logger=self.logger, rank=self.rank,
                           output_dir=args.output_dir, retry_on_oom=args.auto_find_batch_size,
                           gate=self._replica_gate)
+        hooks = TrainerLoopHooks(self, self._engine_step, by_samples=self._loss_per_sample,
+                                 ignore_keys=ignore_keys_for_eval)
         try:
-            run.run(data, plan, max_steps, window, TrainerLoopHooks(self, ignore_keys_for_eval))
+            run.run(data, plan, max_steps, window, hooks)
         except PrunedElsewhere:  # rank 0's study pruned this trial (hp_search.py); rank 0 raised optuna's error
             return TrainOutput(self.state.global_step, window.training_loss, {})
         finally:
@@ -418,18 +407,18 @@ class Trainer(transformers.Trainer):
             if self._replica_gate is not None:
                 self._replica_gate.close()
         # An async save still in flight is committed (or its error raised on every rank) before train() returns.
-        self._checkpoints().wait()
+        self.checkpoint_manager.wait()
         self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
-            self._checkpoints().load(self.state.best_model_checkpoint, weights_only=True)
-        self._checkpoints().keep_best_only(self.state.best_model_checkpoint)
+            self.checkpoint_manager.load(self.state.best_model_checkpoint, weights_only=True)
+        self.checkpoint_manager.keep_best_only(self.state.best_model_checkpoint)
         steps = self.state.global_step - start_step
         metrics = speed_metrics("train", start_time, num_samples=steps * plan.global_batch_size, num_steps=steps)
         metrics.update(total_flos=self.state.total_flos, train_loss=window.training_loss, epoch=self.state.epoch)
         self._memory_tracker.stop_and_update_metrics(metrics)
         self.log(dict(metrics))
         self.logger.draw_report()
-        self._fire("on_train_end")
+        self.call_event("on_train_end")
         if (wanted := verify.request()) is not None:  # `shardtrain verify`: the figures, then the script ends here
             verify.write_dump(self, wanted)
             raise SystemExit(0)
@@ -444,10 +433,13 @@ class Trainer(transformers.Trainer):
         if self.eval_dataset is not None and self.args.eval_strategy != "no":
             checks.check(self.eval_dataset, "eval_dataset", limits, need_targets=False, again=True)
 
-    def _plan(self, data: TrainingData) -> BatchPlan | StreamPlan | LoaderPlan:
-        if not self._overrides("get_train_dataloader"):
-            return self._own_plan(data)
-        return data.plan(self.get_train_dataloader, owner(type(self), "get_train_dataloader").__qualname__)
+    def training_plan(self) -> tuple[TrainingData, BatchPlan | StreamPlan | LoaderPlan]:
+        """The training batches' part (at the per-device batch `auto_find_batch_size` came down to) and its plan:
+        the engine's, or an overridden `get_train_dataloader`'s."""
+        data = self._training_data()
+        if not self.overrides("get_train_dataloader"):
+            return data, self._own_plan(data)
+        return data, data.plan(self.get_train_dataloader, owner(type(self), "get_train_dataloader").__qualname__)
 
     def _own_plan(self, data: TrainingData) -> BatchPlan | StreamPlan:
         """The engine's plan over the train dataset, in the order of `_get_train_sampler` when it gives one."""
@@ -516,7 +508,7 @@ class Trainer(transformers.Trainer):
         if by_samples:  # a mean over this micro-batch, weighted by its samples (placeholders: 0)
             loss = self.compute_loss(model, inputs)
             micro_sum = loss * self.loss_computer.items(inputs, by_samples=True)
-        elif self._custom_loss or self.router_loss.enabled:
+        elif self.custom_loss or self.router_loss.enabled:
             # Hugging Face's compute_loss contract (and the router loss, added in token-sum units)
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
             micro_sum = self.loss_units.to_sum(loss, num_items_in_batch)
@@ -585,8 +577,8 @@ class Trainer(transformers.Trainer):
         return self.backend.to_device(inputs)
 
     @property
-    def _custom_loss(self) -> bool:
-        return self._overrides("compute_loss") or self.compute_loss_func is not None
+    def custom_loss(self) -> bool:
+        return self.overrides("compute_loss") or self.compute_loss_func is not None
 
     @property
     def loss_units(self) -> LossUnits:
@@ -650,22 +642,10 @@ class Trainer(transformers.Trainer):
         `checkpoint-<step>` of the Trainer's model, optimizer, scheduler, RNG and state."""
         if not self._writes_job_files:
             return
-        save = self._checkpoints().save_async if self.args.save_async else self._checkpoints().save
-        self._store_callback_states()
+        save = self.checkpoint_manager.save_async if self.args.save_async else self.checkpoint_manager.save
+        store_callback_states(self.state, [*self.callback_handler.callbacks, self.control])
         save(self.state.global_step, self.state, model_only=self.args.save_only_model)  # async: waits for the last
-        self._saved_step = self.state.global_step
-        self._fire("on_save")
-
-    def _store_callback_states(self) -> None:
-        """Hugging Face's: the state of every `ExportableState` callback (and the control) into
-        `state.stateful_callbacks`, which `trainer_state.json` saves and a resume restores."""
-        for callback in [*self.callback_handler.callbacks, self.control]:
-            if isinstance(callback, ExportableState):
-                name, saved = type(callback).__name__, callback.state()
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(saved)
-                else:
-                    self.state.stateful_callbacks[name] = saved
+        self.call_event("on_save")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record `logs` for this step in `log_history`, metrics.jsonl, the trackers and the progress bar.
@@ -677,9 +657,9 @@ class Trainer(transformers.Trainer):
         entry = {**logs, "epoch": round(self.state.epoch or 0.0, 4), "step": self.state.global_step}
         self.state.log_history.append({k: v for k, v in entry.items() if k not in MEASURED_KEYS})
         self.logger.log(entry)
-        self._fire("on_log", logs=entry)
+        self.call_event("on_log", logs=entry)
 
-    def _fire(self, event: str, **kwargs: Any) -> None:
+    def call_event(self, event: str, **kwargs: Any) -> None:
         """Fire `event` through transformers' `CallbackHandler` (it passes the model, processing class, optimizer
         and scheduler, as in Hugging Face's Trainer); a returned control replaces ours."""
         handler = self.callback_handler
@@ -708,7 +688,7 @@ class Trainer(transformers.Trainer):
         self.log(output.metrics)
         if self.logger.report_drawn:  # an evaluation after training (the final one) joins report.png
             self.logger.draw_report()
-        self._fire("on_evaluate", metrics=output.metrics)
+        self.call_event("on_evaluate", metrics=output.metrics)
         self._memory_tracker.stop_and_update_metrics(output.metrics)
         return output.metrics
 
@@ -718,7 +698,7 @@ class Trainer(transformers.Trainer):
         self._memory_tracker.start()
         output = self.evaluation_loop(self.get_test_dataloader(test_dataset), "Prediction", ignore_keys=ignore_keys,
                                       metric_key_prefix=metric_key_prefix)
-        self._fire("on_predict", metrics=output.metrics)
+        self.call_event("on_predict", metrics=output.metrics)
         self._memory_tracker.stop_and_update_metrics(output.metrics)
         return PredictionOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics)
 
@@ -738,16 +718,6 @@ class Trainer(transformers.Trainer):
             output.metrics["epoch"] = self.state.epoch
         return EvalLoopOutput(predictions=output.predictions, label_ids=output.label_ids, metrics=output.metrics,
                               num_samples=samples)
-
-    def _eval_collator(self) -> Callable:
-        """The collator of evaluation and prediction batches (padded even when training packs them)."""
-        return self._unpacked_collator if self._unpacked_collator is not None else self.data_collator
-
-    def _check_eval_dataset(self, dataset: Any, name: str) -> None:
-        if dataset is None:
-            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
-        self.dataset_checks.check(dataset, name, ModelLimits.of(self.model, self.loss_computer.shift_labels),
-                                  need_targets=False)
 
     # -- dataloaders (for scripts that iterate themselves) ------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -781,15 +751,14 @@ class Trainer(transformers.Trainer):
         return self._share_loader(test_dataset, "test_dataset")
 
     def _share_loader(self, dataset: Any, name: str) -> DataLoader:
-        if not is_stream(dataset):
-            self._check_eval_dataset(dataset, name)
-            sampler = self._get_eval_sampler(dataset)
-            if sampler is not None:
-                indices = [int(i) for i in sampler]
-                dataset = dataset.select(indices) if hasattr(dataset, "select") else Subset(dataset, indices)
-        batch_size = self.args.per_device_eval_batch_size * self.backend.devices_per_process
-        return ShareLoader(dataset, self._eval_collator(), batch_size=batch_size, dp_rank=self.dp_rank,
-                           dp_size=self.dims.batch_size, seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
+        if not is_stream(dataset):  # checked against the model, then in `_get_eval_sampler`'s order
+            self.dataset_checks.check_eval(dataset, name, ModelLimits.of(self.model, self.loss_computer.shift_labels))
+            dataset = in_sampler_order(dataset, self._get_eval_sampler(dataset))
+        # padded even when training packs sequences
+        collator = self.data_collator if self._unpacked_collator is None else self._unpacked_collator
+        return ShareLoader(dataset, collator, batch_size=self.args.per_device_eval_batch_size *
+                           self.backend.devices_per_process, dp_rank=self.dp_rank, dp_size=self.dims.batch_size,
+                           seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
 
     # -- saving ------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False, *,
@@ -806,7 +775,7 @@ class Trainer(transformers.Trainer):
         """
         if not self._writes_job_files:  # another replica group writes the job's model
             return Path(output_dir or self.args.output_dir)
-        if self._overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
+        if self.overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
             return save_through_override(self, Path(output_dir or self.args.output_dir))
         return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
                                               processing_class=saved_processor(self.processing_class,
@@ -845,34 +814,20 @@ class Trainer(transformers.Trainer):
     def callbacks(self) -> list[TrainerCallback]:
         return self.callback_handler.callbacks
 
-    @property
-    def accelerator(self) -> Any:
-        """An Accelerate `Accelerator` on shardtrain's process group, for the code of libraries built on Hugging
-        Face's Trainer (`gather_for_metrics`, `num_processes`, `unwrap_model`, `is_main_process`). It never wraps,
-        shards or moves the model: shardtrain's backend does that. Built on first use."""
-        if self.__dict__.get("_accelerator") is None:
-            self.__dict__["_accelerator"] = engine_accelerator(
-                self.backend, self.args, standing_in=self.loss_computer.standing_in)
-        return self.__dict__["_accelerator"]
-
-    @accelerator.setter
-    def accelerator(self, value: Any) -> None:
-        self.__dict__["_accelerator"] = value
+    # An Accelerate `Accelerator` on shardtrain's process group, for the code of libraries built on Hugging Face's
+    # Trainer (`gather_for_metrics`, `num_processes`, `unwrap_model`, `is_main_process`). It never wraps, shards
+    # or moves the model: shardtrain's backend does that. Built on first use.
+    accelerator = LazyAccelerator()
 
     def create_accelerator_and_postprocess(self) -> None:
         """Hugging Face's hook after a trial's arguments are set: the engine's `accelerator` is rebuilt on next
         use (from the new arguments); no Accelerate plugin is ever created."""
-        self.__dict__["_accelerator"] = None
+        self.accelerator = None
 
     def _report_to_hp_search(self, trial: Any, step: int, metrics: dict[str, float]) -> None:
         """Hugging Face's: a trial's intermediate objective to its study (which may prune it); on several ranks,
         rank 0's decision is every rank's (`shardtrain.train.hp_search`)."""
-        def report() -> None:
-            super(Trainer, self)._report_to_hp_search(trial, step, metrics)
-
-        if self.world_size == 1 or trial is None or self.hp_search_backend != "optuna":
-            return report()
-        report_agreed(report, runtime=self.runtime, on_pruned=functools.partial(self._fire, "on_train_end"))
+        report_to_hp_search(self, trial, step, metrics)
 
     def _set_signature_columns_if_needed(self) -> None:
         """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler, Subset
 
 from shardtrain.errors import DataError
 from shardtrain.train.data.batch_plan import (
@@ -33,6 +33,14 @@ def rank_share(length: int, *, dp_rank: int, dp_size: int, batch_size: int, drop
         length = length // (batch_size * dp_size) * (batch_size * dp_size)
     per_rank = -(-length // dp_size)
     return list(range(dp_rank * per_rank, min(length, (dp_rank + 1) * per_rank)))
+
+
+def in_sampler_order(dataset: Any, sampler: Sampler | None) -> Any:
+    """`dataset` in the order `sampler` gives (None: as it is): a `datasets.Dataset` selects, else a `Subset`."""
+    if sampler is None:
+        return dataset
+    indices = [int(i) for i in sampler]
+    return dataset.select(indices) if hasattr(dataset, "select") else Subset(dataset, indices)
 
 
 class ShareLoader(DataLoader):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -70,6 +71,55 @@ def _rows(indices: list[int], batch: dict, values: torch.Tensor) -> list[np.ndar
             for row, index in enumerate(indices) if index >= 0]
 
 
+@dataclass(frozen=True, kw_only=True)
+class EvalSettings:
+    """How one evaluation runs, fixed for its length (from the Trainer's arguments).
+
+    Attributes:
+        per_device_batch_size: the batch of one device (a `ShareLoader`'s global batch is it x the data ranks).
+        batch_metrics: Hugging Face's `batch_eval_metrics`: `compute_metrics(EvalPrediction, compute_result)`
+            after every batch.
+        keep_predictions: False: no predictions are returned (Hugging Face's evaluate() under batch metrics).
+        inputs_key: `include_for_metrics=["inputs"]`: this batch key's rows go to `EvalPrediction.inputs`.
+        label_names: the batch keys holding labels (several: `label_ids` is a tuple of arrays).
+    """
+
+    per_device_batch_size: int
+    batch_metrics: bool = False
+    keep_predictions: bool = True
+    inputs_key: str | None = None
+    label_names: tuple[str, ...] = ("labels",)
+
+
+class EvalHooks(Protocol):
+    """What an `EvalLoop` asks of its caller, the one seam between evaluation and the Trainer (the Trainer's
+    side: `train/hooks.py` `TrainerEvalHooks`).
+
+    Attributes:
+        own_step: the caller computes each batch's (batch-mean loss, logits, labels) in `prediction_step` (a
+            user's `prediction_step` or `compute_loss`): losses are averaged over samples, as Hugging Face's.
+        generates: predictions are generated token ids (`generate`), not logits.
+    """
+
+    own_step: bool
+    generates: bool
+
+    def model_inputs(self, batch: dict) -> dict:
+        """A collated batch (on the device) as the model gets it."""
+
+    def prediction_step(self, inputs: dict, loss_only: bool) -> tuple:
+        """(batch-mean loss or None, logits, labels) of one batch, when `own_step`."""
+
+    def generate(self, batch: dict) -> tuple[list, list]:
+        """(generated tokens, reference answers) per row, when `generates` (every rank: FSDP gathers)."""
+
+    def preprocess(self, logits: Any, labels: Any) -> Any:
+        """Hugging Face's `preprocess_logits_for_metrics` (or the logits as they are)."""
+
+    def batch_done(self, steps: int | None) -> None:
+        """After each batch (`steps`: the batches of this evaluation, None when unknown)."""
+
+
 class EvalLoop:
     """Evaluates the loader it is given; a `ShareLoader` (data-parallel rank r's block of the dataset, as many
     batches on every rank) gives the exact token-weighted loss and predictions in dataset order.
@@ -79,34 +129,21 @@ class EvalLoop:
     collected (by one rank of each group of ranks that share their samples: cp and tp).
     """
 
-    def __init__(self, runtime: Runtime, model: nn.Module, loss: LossComputer, per_device_batch_size: int, *,
-                 preprocess: Callable | None = None,
-                 on_step: Callable[[int], None] | None = None, prepare: Callable[[dict], dict] | None = None,
-                 generate: Callable[[dict], tuple[list, list]] | None = None,
-                 prediction_step: Callable[[dict, bool], tuple] | None = None, batch_metrics: bool = False,
-                 keep_predictions: bool = True, inputs_key: str | None = None,
-                 label_names: tuple[str, ...] = ("labels",), drop_last: bool = False,
-                 pipeline: Pipeline | None = None) -> None:
-        self.model, self.loss = model, loss
-        self.batch_size = per_device_batch_size * runtime.backend.devices_per_process
+    def __init__(self, runtime: Runtime, model: nn.Module, loss: LossComputer, settings: EvalSettings,
+                 hooks: EvalHooks, pipeline: Pipeline | None = None) -> None:
+        self.model, self.loss, self.hooks = model, loss, hooks
+        self.batch_size = settings.per_device_batch_size * runtime.backend.devices_per_process
         self.dp_rank, self.dp_size, self.device = runtime.dp_rank, runtime.dims.batch_size, runtime.device
-        self.preprocess, self.on_step = preprocess, on_step  # on_step: on_prediction_step
-        self.cp, self.prepare = runtime.cp, prepare  # prepare: the Trainer's collated batch -> model inputs
-        self.tp = runtime.dims.tp
+        self.cp, self.tp = runtime.cp, runtime.dims.tp
         self.loss_group = runtime.meshes.loss.get_group()  # where (loss sum, token count) add up
-        self.generate = generate  # predict_with_generate: batch -> (generated tokens, reference answers) per row
         self.collects = runtime.collects_predictions  # one rank per cp x tp group contributes predictions
         self.backend = runtime.backend  # its all_reduce and step_end (XLA runs a graph)
-        # a user's prediction_step / compute_loss: (inputs, loss_only) -> (batch-mean loss, logits, labels), and
-        # the loss is averaged over samples, as Hugging Face's evaluation_loop does
-        self.prediction_step = prediction_step
-        # batch_eval_metrics: compute_metrics(EvalPrediction, compute_result) on each batch of every rank, gathered;
+        # batch_metrics: compute_metrics(EvalPrediction, compute_result) on each batch of every rank, gathered;
         # keep_predictions False: none are kept (Hugging Face's evaluate() under batch_eval_metrics)
-        self.batch_metrics, self.keep_predictions = batch_metrics, keep_predictions
+        self.batch_metrics, self.keep_predictions = settings.batch_metrics, settings.keep_predictions
         # include_for_metrics ["inputs"]: this batch key's rows go to EvalPrediction.inputs (None: no inputs)
-        self.inputs_key = inputs_key
-        self.label_names = label_names  # several: label_ids is a tuple of arrays, as Hugging Face's
-        self.drop_last = drop_last  # dataloader_drop_last: the samples of whole global batches only
+        self.inputs_key = settings.inputs_key
+        self.label_names = settings.label_names  # several: label_ids is a tuple of arrays, as Hugging Face's
         self.rows = 0  # real rows this rank evaluated
         self.pipeline = pipeline  # pp > 1: forwards run through the stages; the last one holds losses and logits
 
@@ -206,11 +243,11 @@ class EvalLoop:
                 seen = len(preds), len(labels), len(input_rows)
                 # a library's batch that is not a dict (GRPO's list of prompts) goes to its own prediction_step
                 batch = self.backend.to_device(collated) if isinstance(collated, Mapping) else collated
-                inputs = self.prepare(batch) if self.prepare is not None and isinstance(batch, Mapping) else batch
+                inputs = self.hooks.model_inputs(batch) if isinstance(batch, Mapping) else batch
                 real = sum(i >= 0 for i in indices)  # placeholders (index -1) are at the end
                 returned: Any = _NOT_RETURNED  # the labels a prediction_step returns stand for the batch's
-                if self.prediction_step is not None:
-                    loss, logits, returned = self.prediction_step(inputs, not with_predictions)
+                if self.hooks.own_step:
+                    loss, logits, returned = self.hooks.prediction_step(inputs, not with_predictions)
                     if loss is not None:
                         totals[0] += loss.double() * real
                         totals[1] += real
@@ -226,13 +263,13 @@ class EvalLoop:
                     with self.loss.running(EVAL_PLACEHOLDER if own and real == 0 else None):
                         # the logits only when predictions are collected from them (else a chunked loss may run)
                         loss_sum, logits = self.loss.forward(inputs, keep_logits=with_predictions
-                                                             and self.generate is None)
+                                                             and not self.hooks.generates)
                         totals[0] += loss_sum.double()
                         totals[1] += self.loss.items(inputs).double()
                 else:  # predict() on data without labels: predictions only, no loss
                     logits = self.loss.logits(inputs)
-                if with_predictions and self.generate is not None:
-                    generated, answers = self.generate(batch)  # every rank: FSDP's gathers need all of them
+                if with_predictions and self.hooks.generates:
+                    generated, answers = self.hooks.generate(batch)  # every rank: FSDP's gathers need all of them
                     if self.collects:
                         self._collect_generated(indices, generated, answers, preds, labels)
                         keys += [(i, 0, 0) for i in indices if i >= 0]
@@ -250,8 +287,7 @@ class EvalLoop:
                     batch_result = self._batch_metrics(preds, labels, input_rows, seen, compute_metrics,
                                                        step == steps - 1) or batch_result
                 self.backend.step_end()
-                if self.on_step is not None:
-                    self.on_step(steps)
+                self.hooks.batch_done(steps)
                 self.rows += real
         reshard_all(self.model)
         self.backend.all_reduce(totals, group=self.loss_group)
@@ -333,8 +369,7 @@ class EvalLoop:
         # (batch, tokens, ...) with one row per sample: cut off each row's padding
         per_token = cut_padding and blocks == 1 and first.dim() > 2 and isinstance(batch, Mapping) and \
             "attention_mask" in batch
-        if self.preprocess is not None:
-            logits = self.preprocess(logits, batch_labels)
+        logits = self.hooks.preprocess(logits, batch_labels)
 
         def rows(values: Any) -> Any:  # per row: an array, or a tuple of arrays
             if isinstance(values, tuple | list):
