@@ -3,22 +3,26 @@ step time, and each schedule's measured idle share against its theoretical bubbl
 
     .venv/bin/python benchmarks/pipeline.py --out benchmarks/results/pipeline.json     # ~4 min, 2 ranks
     .venv/bin/python benchmarks/pipeline.py --microbatches 4 --steps 4 --out /tmp/pp.json   # quick
+    .venv/bin/python benchmarks/pipeline.py --schedules Interleaved1F1B,InterleavedZeroBubble,ZBVZeroBubble,DualPipeV \
+        --microbatches 4,8 --out benchmarks/results/pipeline_two_stages.json      # two stages per rank, ~5 min
 
 One `python -m torch.distributed.run --nproc_per_node 2` launch of this file (`--worker`, gloo, OMP_NUM_THREADS=1
 per rank) per mode, each `shardtrain.Trainer` on the same fp32 Llama (8 layers, hidden 256, vocab 2048), the same
 token ids (fixed length, no padding) and the same per-rank batch of `--batch` sequences of `--seq` tokens:
 
   * `fsdp`: FSDP2 over both ranks (data parallel; the reference): the global batch is 2 x batch.
-  * `<schedule>_m<M>`: pp 2 (one stage per rank, 4 layers each), GPipe or 1F1B with M microbatches per
-    micro-batch; the global batch is the batch (both stages see the same samples).
+  * `<schedule>_m<M>`: pp 2 with M microbatches per micro-batch: GPipe or 1F1B (one stage per rank, 4 layers
+    each), or a schedule of two stages per rank (2 layers each: Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    ZBVZeroBubble, DualPipeV); the global batch is the batch (both ranks see the same samples).
 
 Measured per rank: the bytes of its parameters, gradients and optimizer state (local shards, at the second step),
 against `plan.pipeline_estimate.stage_state_bytes` of the stage's parameters and the planner's traced state
 (`shardtrain.plan(..., pp=2)`: the stage that peaks, with the microbatches it holds in flight; its tensor peak is
 reported too, next to the process's peak RSS, which also holds the runtime); the process's peak RSS; the median
 step time after warm-up and tokens per second (global tokens / step time). For the pipeline modes, the idle
-share of the schedule: 1 - (time in the stage's forward and backward chunks) / (time in `schedule.step`), each
-rank's, next to the bubble (p - 1) / (m + p - 1) (`plan.pipeline_estimate.bubble_fraction`). On 2 CPU cores each
+share of the schedule: 1 - (time in the rank's stages' forward, backward and weight-gradient chunks) / (time in
+`schedule.step`), each rank's, next to the schedule's bubble (`plan.pipeline_estimate.bubble_fraction`: (p - 1) /
+(m + p - 1) for GPipe and 1F1B). On 2 CPU cores each
 rank has one core; the point-to-point sends are gloo's over loopback.
 Prints one JSON object and writes it to --out.
 """
@@ -81,9 +85,10 @@ def worker(cli: argparse.Namespace) -> None:
     trainer = Trainer(model, args, train_dataset=data)
     busy, schedule_time, marks, state = [0.0], [0.0], [], {}
     pipeline = trainer.pipeline
-    if pipeline is not None:  # busy: the stage's compute; schedule: the whole schedule step (compute + waiting)
-        pipeline.stage.forward_one_chunk = timed(pipeline.stage.forward_one_chunk, busy)
-        pipeline.stage.backward_one_chunk = timed(pipeline.stage.backward_one_chunk, busy)
+    if pipeline is not None:  # busy: the stages' compute; schedule: the whole schedule step (compute + waiting)
+        for stage in pipeline.stages:  # (a zero-bubble schedule's weight passes are chunks of their own)
+            for chunk in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, chunk, timed(getattr(stage, chunk), busy))
         pipeline.schedule.step = timed(pipeline.schedule.step, schedule_time)
     per_step: list[tuple[float, float]] = []
 
@@ -115,7 +120,8 @@ def worker(cli: argparse.Namespace) -> None:
     if pipeline is not None:
         stage = pipeline.split.stage
         idle = [1 - b / s for b, s in spans if s > 0]
-        mine.update(stage=stage, layers=[pipeline.split.layers[0].start, pipeline.split.layers[0].stop],
+        mine.update(stage=stage, stages=list(pipeline.split.held),
+                    layers=[[r.start, r.stop] for r in pipeline.split.layers],
                     idle_share_median=statistics.median(idle),
                     busy_share_of_step=statistics.median(b / t for (b, _), t in zip(spans, steps, strict=True)),
                     schedule_share_of_step=statistics.median(s / t for (_, s), t in zip(spans, steps, strict=True)),

@@ -31,12 +31,20 @@ def check_equal_to_one_process(results: list[dict], stages: int) -> None:
 
 
 @pytest.mark.parametrize("schedule,microbatches", [("1F1B", "2"), ("GPipe", "4"), ("Interleaved1F1B", "2"),
-                                                   ("LoopedBFS", "2")])
+                                                   ("LoopedBFS", "2"), ("InterleavedZeroBubble", "2"),
+                                                   ("ZBVZeroBubble", "2"), ("DualPipeV", "4")])
 def test_two_stages_equal_one_process_with_tied_embeddings(tmp_path, schedule, microbatches):
     results = run(tmp_path, 2, "2", schedule, microbatches, "1")
     check_equal_to_one_process(results, 2)
     first, last = results
-    if schedule in ("Interleaved1F1B", "LoopedBFS"):  # two stages per rank (of one layer each): 0 and 2, 1 and 3
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):  # a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+        assert {k.split(".")[2] for k in first["keys"] if k.startswith("model.layers.")} == {"0", "3"}
+        assert {k.split(".")[2] for k in last["keys"] if k.startswith("model.layers.")} == {"1", "2"}
+        # both ends on rank 0: the tied pair is one parameter there, as in one process
+        assert "model.embed_tokens.weight" in first["keys"] and "model.norm.weight" in first["keys"]
+        assert not any(k.startswith(("model.embed_tokens", "lm_head", "model.norm")) for k in last["keys"])
+        return
+    if schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):  # two stages per rank: 0 and 2, 1 and 3
         assert {k.split(".")[2] for k in first["keys"] if k.startswith("model.layers.")} == {"0", "2"}
         assert "model.embed_tokens.weight" in first["keys"] and "lm_head.weight" in last["keys"]
         return
@@ -49,9 +57,10 @@ def test_two_stages_equal_one_process_with_tied_embeddings(tmp_path, schedule, m
     assert any(k.startswith("model.layers.3.") for k in last["keys"])
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
-def test_pipeline_by_fsdp_equals_one_process(tmp_path, schedule):
-    results = run(tmp_path, 4, "2", schedule, "2", "1", "2")
+@pytest.mark.parametrize("schedule,microbatches", [("GPipe", "2"), ("1F1B", "2"), ("Interleaved1F1B", "2"),
+                                                   ("DualPipeV", "4")])
+def test_pipeline_by_fsdp_equals_one_process(tmp_path, schedule, microbatches):
+    results = run(tmp_path, 4, "2", schedule, microbatches, "1", "2")
     assert results[0]["layout"].startswith("pp 2 x dp_replicate 1 x dp_shard 2")
     check_equal_to_one_process(results, 2)
 
@@ -99,6 +108,8 @@ def runs(tmp_path_factory):
          "resume": str(root / "dp2" / "checkpoint-5")},
         {"out": str(root / "dp-to-interleaved"), "per_device_train_batch_size": 8, **PP2, **SHARDED,
          "pp_schedule": "Interleaved1F1B", "resume": str(root / "dp2" / "checkpoint-5")},
+        {"out": str(root / "dp-to-dualpipev"), "per_device_train_batch_size": 8, **PP2, **SHARDED,
+         "pp_schedule": "DualPipeV", "pp_microbatches": 4, "resume": str(root / "dp2" / "checkpoint-5")},
         {"out": str(root / "dropout-resumed"), **dropout, **saved, "resume": True},
         {"out": str(root / "lora-resumed"), **lora, **saved, "resume": True}]), timeout=300)
     python(RUN, json.dumps([{"out": str(root / "one"), "per_device_train_batch_size": 8, "model": "llama_tied4",
@@ -156,7 +167,7 @@ def test_save_model_under_a_pipeline_writes_one_hugging_face_model(runs):
 
 
 @pytest.mark.parametrize("resumed,origin", [("pp-to-dp", "pp2dp2"), ("pp-to-pp", "pp2dp2"), ("dp-to-pp", "dp2"),
-                                            ("dp-to-interleaved", "dp2")])
+                                            ("dp-to-interleaved", "dp2"), ("dp-to-dualpipev", "dp2")])
 def test_sharded_checkpoint_resumes_on_another_pipeline_size(runs, resumed, origin):
     got, ref = _result(runs / resumed), _result(runs / origin)
     assert got["layout"] != ref["layout"]

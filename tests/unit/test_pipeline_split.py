@@ -69,7 +69,8 @@ def test_a_peft_model_is_split_through_its_base_model_under_its_own_names():
 @pytest.mark.parametrize("settings,pp,batch,words", [
     (PipelineSettings(schedule="1f1b"), 2, None, "is not a schedule; use one of"),
     (PipelineSettings(schedule="Interleaved1F1B", microbatches=3), 2, None, "is not a multiple of pp_size = 2"),
-    (PipelineSettings(schedule="DualPipeV"), 2, None, "splits each backward into an input-gradient and a weight"),
+    (PipelineSettings(schedule="DualPipeV", microbatches=2), 2, None, "pp_microbatches = 2 is fewer than the 4 "
+                                                                      "DualPipeV needs"),
     (PipelineSettings(schedule="1F1B", microbatches=1), 2, None, "pp_microbatches = 1 is fewer than the 2"),
     (PipelineSettings(schedule="GPipe", microbatches=0), 2, None, "must be an int >= 1"),
     (PipelineSettings(schedule="GPipe", microbatches=3), 2, 4, "per_device_train_batch_size = 4 does not split"),
@@ -83,6 +84,22 @@ def test_settings_that_work_pass():
     check_settings(PipelineSettings(), pp=2, per_device_batch=4)  # 1F1B, 2 microbatches
     check_settings(PipelineSettings(schedule="GPipe", microbatches=1), pp=4, per_device_batch=3)
     check_settings(PipelineSettings(schedule="Interleaved1F1B"), pp=2, per_device_batch=4)  # 4 microbatches
+    check_settings(PipelineSettings(schedule="DualPipeV"), pp=2, per_device_batch=4)  # 4 microbatches
+    check_settings(PipelineSettings(schedule="ZBVZeroBubble", microbatches=2), pp=2, per_device_batch=4)
+
+
+def test_v_schedules_put_the_first_and_the_last_stage_on_rank_0():
+    for name in ("ZBVZeroBubble", "DualPipeV"):
+        settings = PipelineSettings(schedule=name)
+        assert [settings.local_stages(r, 4) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+        assert not settings.ends_apart
+    looped = PipelineSettings(schedule="InterleavedZeroBubble")
+    assert looped.local_stages(1, 2) == (1, 3) and looped.ends_apart
+    # tied embeddings on one rank stay one parameter: nothing to sum over a pair of ranks
+    model = tiny_llama(tie=True, layers=4)
+    split = split_model(model, held=(0, 3), stages=4, ends_apart=False)
+    assert not split.tied and split.is_first and split.is_last
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_ranks_of_multi_stage_schedules_hold_two_stages_and_run_one_at_a_time():
@@ -146,3 +163,9 @@ def test_a_users_layer_split_is_kept_and_checked():
         check_settings(PipelineSettings(schedule="Interleaved1F1B", layers=(1, 1)), pp=2)
     args = TrainingArguments(output_dir="unused", pp_layers=[3, 1])
     assert PipelineSettings.of(args) == PipelineSettings(layers=(3, 1))
+
+
+def test_a_zero_bubble_schedule_with_torch_compile_is_refused_before_torch_sees_it():
+    with pytest.raises(PipelineError, match="'ZBVZeroBubble' with torch_compile"):
+        check_settings(PipelineSettings(schedule="ZBVZeroBubble", microbatches=2), pp=2, compiled=True)
+    check_settings(PipelineSettings(schedule="1F1B"), pp=2, compiled=True)

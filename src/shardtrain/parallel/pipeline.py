@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -50,6 +51,8 @@ SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B"
 SINGLE_STAGE = ("GPipe", "1F1B")
 # schedules that split each backward into an input-gradient and a weight-gradient pass
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# schedules whose rank r holds stages r and 2 pp - 1 - r (a "V": the first and the last stage on rank 0)
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 STAGES_PER_RANK = 2  # of a multi-stage schedule
 # the inputs every stage is given (the others go to the first stage only, or are refused)
 STAGE_KWARGS = ("attention_mask", "position_ids")
@@ -87,31 +90,39 @@ class PipelineSettings:
         """The stages rank `pp_rank` of `pp` holds, in schedule order."""
         if not self.multi_stage:
             return (pp_rank,)
+        if self.schedule in V_SHAPED:
+            return (pp_rank, 2 * pp - 1 - pp_rank)
         return tuple(pp_rank + k * pp for k in range(STAGES_PER_RANK))
 
+    @property
+    def ends_apart(self) -> bool:
+        """Whether the first and the last stage are on two ranks (all but the V-shaped schedules)."""
+        return self.schedule not in V_SHAPED
 
-def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int | None = None) -> None:
+
+def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int | None = None,
+                   compiled: bool = False) -> None:
     """Refuse a schedule or microbatch count a pipeline over `pp` ranks cannot run, with the numbers.
 
     Raises:
-        PipelineError: an unknown schedule, microbatches < 1, fewer microbatches than 1F1B needs (pp) or a V
-            schedule needs (its 2 pp stages), a looped schedule's microbatches that are not a multiple of pp, or
-            a micro-batch that does not split into the microbatches.
+        PipelineError: an unknown schedule, microbatches < 1, fewer microbatches than 1F1B needs (pp) or
+            DualPipeV needs (its 2 pp stages), a looped schedule's microbatches that are not a multiple of pp, a
+            micro-batch that does not split into the microbatches, or a zero-bubble schedule with `torch_compile`
+            (`compiled`), which torch does not run.
     """
     from shardtrain.config.values import closest
 
     if settings.schedule not in SCHEDULES:
         raise PipelineError(f"pp_schedule = {settings.schedule!r} is not a schedule; use one of {list(SCHEDULES)}"
                             f"{closest(settings.schedule, list(SCHEDULES))}")
-    if settings.schedule in SPLIT_BACKWARD:
-        raise PipelineError(
-            f"pp_schedule = {settings.schedule!r} splits each backward into an input-gradient and a weight-gradient "
-            "pass, which needs the stage's unsharded weights after the first; shardtrain's FSDP stages reshard them, "
-            "so it is not supported yet; use one of 'Interleaved1F1B', 'LoopedBFS', '1F1B', 'GPipe'")
+    if compiled and settings.schedule in SPLIT_BACKWARD:
+        raise PipelineError(f"pp_schedule = {settings.schedule!r} with torch_compile: torch.distributed.pipelining "
+                            "does not split the backward of a compiled stage into its input and weight passes; set "
+                            "torch_compile=False, or use 'Interleaved1F1B' or '1F1B'")
     count = settings.microbatches_for(pp)
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise PipelineError(f"pp_microbatches = {settings.microbatches!r} must be an int >= 1")
-    least = pp if settings.schedule == "1F1B" else 1
+    least = {"1F1B": pp, "DualPipeV": 2 * pp}.get(settings.schedule, 1)
     if count < least:
         raise PipelineError(f"pp_microbatches = {count} is fewer than the {least} {settings.schedule} needs over "
                             f"pp_size = {pp} ranks; set pp_microbatches >= {least}, or pp_schedule 'GPipe'")
@@ -135,7 +146,7 @@ def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int
 def split_for_rank(model: nn.Module, settings: PipelineSettings, pp_rank: int, pp: int) -> StageSplit:
     """`model` split in place into the stages pipeline rank `pp_rank` of `pp` holds under `settings`' schedule."""
     return split_model(model, held=settings.local_stages(pp_rank, pp), stages=settings.stage_count(pp),
-                       layer_counts=settings.layers)
+                       layer_counts=settings.layers, ends_apart=settings.ends_apart)
 
 
 class StageModule(nn.Module):
@@ -155,7 +166,23 @@ class StageModule(nn.Module):
             contextlib.nullcontext()
         with active:
             outputs = self.model(**{key: inputs}, **kwargs, use_cache=False)
-        return outputs.logits if hasattr(outputs, "logits") else outputs[0]
+        out = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+        # a skipped head's "logits" are a slice of the hidden states: a view, which a zero-bubble schedule's input
+        # pass cannot detach in place once it is done with the output
+        return out.clone() if out._base is not None else out
+
+
+class _Stage(PipelineStage):
+    """torch's `PipelineStage`. In eval mode a V-shaped schedule of torch 2.13 still hands the gradient of its turn
+    (the two adjacent stages on one rank) from one stage to the other, which a stage without a backward refuses:
+    without a backward there is nothing to hand over, so the handoff is skipped."""
+
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else None
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
 @dataclass(kw_only=True)
@@ -171,8 +198,10 @@ class Pipeline:
     """One rank's stage of the pipeline and its schedule (see the module docstring); built by `Pipeline.build`."""
 
     def __init__(self, *, model: nn.Module, split: StageSplit, stages: list[PipelineStage], schedule: Any,
-                 pp_group: Any, tie_group: Any, microbatches: int, device: torch.device, pad_token: int) -> None:
+                 pp_group: Any, tie_group: Any, microbatches: int, device: torch.device, pad_token: int,
+                 split_backward: bool = False) -> None:
         self.model, self.split, self.stages, self.schedule = model, split, stages, schedule
+        self.split_backward = split_backward  # a zero-bubble schedule: input-gradient and weight-gradient passes
         self.pp_group, self.tie_group, self.microbatches = pp_group, tie_group, microbatches
         self.device, self.pad_token = device, pad_token
         self._shape: tuple[int, int] | None = None  # the shape the stages inferred their activations' for
@@ -187,7 +216,9 @@ class Pipeline:
         One stage per rank: `shard_root` makes the stage module the FSDP root, and the schedule reduces the
         gradients once, after the last microbatch. Several: the model stays FSDP's root (one model holds both
         stages), so its gradients are reduced after each microbatch's backward; a forward through the whole
-        model first lets FSDP see every unit before any stage runs with part of it."""
+        model first lets FSDP see every unit before any stage runs with part of it. A zero-bubble schedule's weight
+        pass needs the weights its input pass used: they stay gathered from a stage's forward to the end of the
+        schedule's step, where the gradients are reduced once (`_reduced_once`)."""
         group = pp_mesh.get_group()
         if len(split.held) == 1:
             roots = [StageModule(model, first=split.is_first)]
@@ -195,7 +226,9 @@ class Pipeline:
         else:
             roots = [StageModule(model, first=stage == 0, split=split, stage=stage) for stage in split.held]
             _initialize_fsdp(model, split, device)
-        stages = [PipelineStage(root, stage, split.stages, device, group=group)
+            if settings.schedule in SPLIT_BACKWARD and isinstance(model, FSDPModule):
+                model.set_reshard_after_forward(False)
+        stages = [_Stage(root, stage, split.stages, device, group=group)
                   for root, stage in zip(roots, split.held, strict=True)]
         microbatches = settings.microbatches_for(pp_mesh.size())
         pipeline: Pipeline
@@ -207,7 +240,7 @@ class Pipeline:
         pad = getattr(config, "pad_token_id", None)
         pipeline = cls(model=model, split=split, stages=stages, schedule=schedule, pp_group=group,
                        tie_group=tie_group, microbatches=microbatches, device=device,
-                       pad_token=pad if isinstance(pad, int) else 0)
+                       pad_token=pad if isinstance(pad, int) else 0, split_backward=settings.schedule in SPLIT_BACKWARD)
         return pipeline
 
     @property
@@ -283,6 +316,27 @@ class Pipeline:
         except Exception as err:
             raise RuntimeError(f"{self.describe()}: {type(err).__name__}: {err}") from err
 
+    @contextlib.contextmanager
+    def _reduced_once(self) -> Iterator[None]:
+        """Under a zero-bubble schedule, FSDP neither reduces nor reshards during the schedule's step (the weight
+        passes add to the gathered weights' gradients after the input passes have run FSDP's hooks); after it the
+        gradients are reduce-scattered once and the weights resharded: what torch's `PipelineStage` does for a
+        stage module that is FSDP's root (`perform_reduce_grad`), here for the model, the root of both stages."""
+        model = self.model
+        if not self.split_backward or not isinstance(model, FSDPModule):
+            yield
+            return
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        model.set_is_last_backward(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
+            model.set_is_last_backward(True)
+        fully_shard.state(model)._root_post_backward_final_callback()
+
     @staticmethod
     def _check_keys(batch: dict[str, Any]) -> None:
         unknown = sorted(k for k in batch if k not in ("input_ids", *STAGE_KWARGS))
@@ -300,7 +354,7 @@ class Pipeline:
         kwargs = {k: batch[k] for k in STAGE_KWARGS if k in batch}
         args = (batch["input_ids"],) if self.split.is_first else ()
         target = targets if self.split.is_last else None
-        with self._named():
+        with self._named(), self._reduced_once():
             self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
         # (the stages' shape inference calls the loss too, before the microbatches: those calls are not losses)
         sums = self._inputs.sums[-self.microbatches:] if self.split.is_last else []

@@ -131,10 +131,12 @@ def _inner(model: nn.Module) -> nn.Module:
 
 
 def split_model(model: nn.Module, *, held: Sequence[int], stages: int,
-                layer_counts: Sequence[int] | None = None) -> StageSplit:
+                layer_counts: Sequence[int] | None = None, ends_apart: bool = True) -> StageSplit:
     """Keep, in place, what the stages `held` of `stages` run (see the module docstring); every other module of
     the plan becomes `Skipped`. The model carries the `StageSplit` (`stage_split`).
     `layer_counts`: the decoder layers of each stage, in order (`pp_layers`); None: an even split.
+    `ends_apart`: the first and the last stage are on two ranks (False under a V-shaped schedule, whose rank 0
+    holds both: tied embeddings stay one parameter there, as in one process).
 
     Raises:
         PipelineError: a model without a pipeline plan, or fewer layers than stages.
@@ -156,7 +158,7 @@ def split_model(model: nn.Module, *, held: Sequence[int], stages: int,
     if tied_model:
         names = {id(m): n for n, m in model.named_modules()}
         tied_names = (f"{names[id(embedding)]}.weight", f"{names[id(head)]}.weight")
-    tied = tied_model and stages > 1
+    tied = tied_model and stages > 1 and ends_apart
     if tied:  # each end keeps its copy whole (not tensor-parallel), as a tied pair is in one process
         setattr(embedding, TIED_ACROSS_STAGES, True)
         setattr(head, TIED_ACROSS_STAGES, True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -147,6 +148,15 @@ class PeerUnreachable(ReplicaGroupError):
     transient = True
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """An HTTP server that says nothing when a peer hangs up before its answer (it stopped waiting: its own
+    timeout reports that); any other error is printed, as http.server does."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class SafeTransport(CheckpointTransport[Any]):
     """torchft's `CheckpointTransport` carrying JSON and safetensors only (see the module docstring).
 
@@ -192,7 +202,7 @@ class SafeTransport(CheckpointTransport[Any]):
                 pass
 
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = _QuietServer((host, port), Handler)
         except OSError as err:
             raise ReplicaGroupError(f"cannot bind the recovery server to {host}:{port} ({err.strerror}); set "
                                     "fault_tolerance's recovery_host to an address of this machine and "

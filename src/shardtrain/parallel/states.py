@@ -151,8 +151,9 @@ class TorchStates:
             value = state.pop(published, None)  # (the same tensor as its own name's, or the one to load)
             if own not in state and value is not None:
                 state[own] = value
-        if stage_split(self.model) is not None:  # the whole model's tied names this stage does not hold
-            local = {clean_name(name) for name, _ in self.model.named_parameters()}
+        if stage_split(self.model) is not None:  # the whole model's tied names this stage does not hold (a rank
+            # holding both ends, under a V-shaped schedule, holds the pair as one process does: both names)
+            local = {clean_name(name) for name in self.model.state_dict(keep_vars=True)}
             for alias in tied_aliases(self.model):
                 if alias not in local:
                     state.pop(alias, None)

@@ -88,10 +88,11 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         cp: context-parallel size.
         tp: tensor-parallel size.
         ep: expert-parallel size.
-        pp: pipeline-parallel size (the outermost dimension); `pp_schedule` ("1F1B" or "GPipe") and
-            `pp_microbatches` as the Trainer's. The stage traced is the first or the last, whichever peaks higher,
-            with the activations of the microbatches it holds in flight (`plan.pipeline_estimate`); the step time
-            is that stage's, over 1 - the schedule's bubble.
+        pp: pipeline-parallel size (the outermost dimension); `pp_schedule` (any the Trainer takes) and
+            `pp_microbatches` as the Trainer's. The pipeline rank traced is the first or the last, whichever peaks
+            higher, holding its stages (two under a schedule of two per rank) and the activations of the
+            microbatches it holds in flight (`plan.pipeline_estimate`); the step time is that rank's, over 1 - the
+            schedule's bubble.
         per_device_batch: the samples one rank sees per micro-batch.
         seq_len: their full sequence length (cp splits it).
         gradient_accumulation_steps: micro-batches per step (> 1: unsharded gradients stay between them).
@@ -209,13 +210,11 @@ def _pipeline_stage(build: Any, setup: StepSetup, schedule: str, microbatches: i
     1F1B, the embeddings) or the last (the head and the logits): each traced with the rows of the microbatches it
     holds at once (`pipeline_estimate.in_flight`). Returns (its setup, its trace, what the plan reports)."""
     from shardtrain.parallel.pipeline import PipelineSettings, check_settings
-    from shardtrain.plan.pipeline_estimate import FILL_DRAIN, bubble_fraction, in_flight
+    from shardtrain.plan.pipeline_estimate import bubble_fraction, in_flight
 
     dims = setup.dims
     settings = PipelineSettings(schedule=schedule, microbatches=microbatches)
     check_settings(settings, pp=dims.pp, per_device_batch=setup.per_device_batch)
-    if schedule not in FILL_DRAIN:
-        raise PlanError(f"pp_schedule = {schedule!r}: the planner models {list(FILL_DRAIN)}")
     count = settings.microbatches_for(dims.pp)
     best = None
     for stage in (0, dims.pp - 1):

@@ -123,8 +123,8 @@ FIELD_NOTES = {
                "docs/parallelism.md)",
     "pp_size": "pipeline-parallel size: the model's layers split into pp stages by its pp plan (torch.distributed."
                "pipelining; see docs/parallelism.md)",
-    "pp_schedule": "the pipeline schedule: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS (two stages per rank); "
-                   "the zero-bubble ones are refused",
+    "pp_schedule": "the pipeline schedule: GPipe, 1F1B (default); two stages per rank: Interleaved1F1B, LoopedBFS, "
+                   "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV",
     "pp_microbatches": "pipeline microbatches each micro-batch is split into (default: the pipeline's stages)",
     "pp_layers": "decoder layers of each pipeline stage, in stage order (default: an even split)",
     "save_async": "write checkpoints in the background (DCP async save)",

@@ -24,6 +24,20 @@ def check_output_dir(output_dir: str) -> None:
     agree(writable_problem(output_dir, "TrainingArguments.output_dir"), OutputDirError)
 
 
+def check_model_source(model: Any, model_init: Any, optimizers: tuple[Any, Any]) -> None:
+    """The Trainer's model comes from exactly one of `model` and `model_init`; a `model_init` model gets its
+    optimizer built by the Trainer (a given one would belong to a model that `train()` replaces)."""
+    if model_init is not None and model is not None:
+        raise TrainingArgumentsError("Trainer got both a model and a model_init function; pass one of them "
+                                     "(model_init builds a fresh model at every train(), as in transformers)")
+    if model_init is not None and any(part is not None for part in optimizers):
+        raise TrainingArgumentsError("Trainer(model_init=..., optimizers=...): the optimizer would belong to a "
+                                     "model that train() replaces; pass optimizer_cls_and_kwargs, or override "
+                                     "create_optimizer_and_scheduler")
+    if model is None and model_init is None:
+        raise TrainingArgumentsError("Trainer needs a model or a model_init function")
+
+
 def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart_count: int, fsdp_enabled: bool,
                    runtime: Runtime) -> Path | None:
     """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
@@ -92,8 +106,8 @@ def check_pipeline_inputs(args: Any, *, stages: int, custom_loss: bool, loss_kin
     stage, from micro-batches that split into `pp_microbatches` microbatches."""
     from shardtrain.parallel.pipeline import PipelineSettings, check_settings
 
-    check_settings(PipelineSettings.of(args), pp=stages,
-                   per_device_batch=args.per_device_train_batch_size)
+    check_settings(PipelineSettings.of(args), pp=stages, per_device_batch=args.per_device_train_batch_size,
+                   compiled=bool(args.torch_compile))
     if custom_loss or per_sample or loss_kind != "token":
         what = "a custom compute_loss / compute_loss_func" if custom_loss else \
             "a library's own loss" if per_sample else f"a model trained on its {loss_kind} loss"
@@ -130,6 +144,12 @@ class DatasetChecks:
         validate_dataset(dataset, name=name, limits=limits, check_samples=self.check_samples,
                          need_targets=need_targets, device=self.device)
         self.checked.add(id(dataset))
+
+    def check_eval(self, dataset: Any, name: str, limits: ModelLimits) -> None:
+        """`check` for evaluate()/predict(), which need a dataset (samples without targets are allowed)."""
+        if dataset is None:
+            raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
+        self.check(dataset, name, limits, need_targets=False)
 
     def report_unused_columns(self, dataset: Any, which: str, model_name: str) -> None:
         """Say which columns `remove_unused_columns` drops. Rank 0 only, so it must never raise (a peer would wait
