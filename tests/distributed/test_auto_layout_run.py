@@ -2,6 +2,7 @@
 the run applies it, and it trains with the default layout's losses (GPT-2 with dropout and tied embeddings, padded
 samples); once a process group exists "auto" traces in a fresh process, with the same candidates."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -76,3 +77,26 @@ def test_no_layout_fits_stops_every_rank_before_training(tmp_path):
     assert "no layout fits 1.00 KiB per rank (the smallest, " in proc.stderr
     assert "needs 705 KiB); raise max_memory_per_rank" in proc.stderr
     assert not (out / "auto").exists()  # stopped before the Trainer touched its output_dir
+
+
+
+def test_a_pipeline_is_chosen_where_only_it_fits_and_trains_the_default_layouts_losses(tmp_path):
+    """A Llama (a pipeline plan) on 2 ranks with a budget only a pipeline candidate fits: "auto" takes pp 2 x dp 1,
+    twice the accumulation steps for the same global batch, and the losses of the default layout (dp 2)."""
+    worker = Path(__file__).parent / "workers" / "auto_pipeline.py"
+    spec = importlib.util.spec_from_file_location("auto_pipeline", worker)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    traced = module.candidates(2, tmp_path / "probe")  # what the run's rank 0 will trace (deterministic)
+    least = min(traced, key=lambda c: c.peak)
+    assert least.pp == 2 and all(c.peak > least.peak for c in traced if c.pp == 1), [(c.name, c.peak) for c in traced]
+    torchrun(worker, 2, str(tmp_path), str(least.peak), pooled=False)
+    result = json.loads((tmp_path / "result.json").read_text())
+    choice = result["choice"]
+    assert choice["chosen"] == least.name and choice["chosen"].startswith("pp 2, ")
+    assert [c["name"] for c in choice["candidates"] if c["fits"]] == [least.name]
+    assert {c["name"] for c in choice["candidates"]} == {c.name for c in traced}  # the data-parallel ones too
+    assert result["layout"].startswith("pp 2 x") and result["pp"] == 2 and result["accumulation_factor"] == 2
+    assert result["accumulation"] == [2, 1] and result["global_batch"] == [8, 8]
+    assert len(result["losses"]) == 4 and len(set(result["losses"])) > 1
+    assert result["losses"] == pytest.approx(result["default_losses"], rel=1e-5, abs=0)

@@ -156,8 +156,12 @@ def test_a_killed_group_heals_from_its_peer_and_the_run_equals_its_record(tmp_pa
     job = {"max_steps": steps, "step_sleep": 0.1, "lost_batches": "refeed"}
     try:
         hold = out / "hold"
+        hold.touch()  # group 0 waits after its first step until group 1 has joined (a loaded machine starts it late,
+        # and group 0 alone could otherwise train every step before it)
         first = start_group(out, 0, address, hold=str(hold), **job)
         second = start_group(out, 1, address, **job)
+        wait_for((out / "group1.started").exists, "group 1 to start", timeout=180, running=(first, second))
+        hold.unlink()
         both = lambda: [line for line in record(out) if line["groups"] == [0, 1]]  # noqa: E731
         wait_for(lambda: len(both()) >= 3, "3 steps of both groups", running=(first, second))
         kill_tree(second.pid)  # torchrun and its worker: the whole group dies at once

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import tiny_gpt2, tiny_llama
 
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import FSDPConfigError
@@ -93,6 +93,46 @@ def test_traced_candidates_of_a_tiny_llama():
     assert by["full_shard"].wire_bytes > by["shard_grad_op"].wire_bytes
     assert by["no_shard"].peak > by["shard_grad_op"].peak >= by["full_shard"].peak
     assert dataclasses.replace(by["no_shard"]).apply(config).replicate_only
+
+
+def test_a_pipeline_is_offered_to_plain_data_parallel_runs_of_the_engines_loss():
+    data = [{"input_ids": [1] * 8}]
+    spec = SimpleNamespace(**vars(_spec({"layout": "auto"})), fault_tolerance=None)
+    args = _args(pp_microbatches=None, pp_schedule="1F1B", torch_compile=False)
+    offered = request_for(spec, args, data, "cpu", can_pipeline=True)
+    assert (offered.choose_pp, offered.pp_schedule, offered.pp_microbatches) == (True, "1F1B", None)
+    assert not request_for(spec, args, data, "cpu").choose_pp  # a custom loss, a library's trainer
+    assert not request_for(SimpleNamespace(**{**vars(spec), "sizes": {"tp": 2}}), args, data, "cpu",
+                           can_pipeline=True).choose_pp
+    assert not request_for(SimpleNamespace(**{**vars(spec), "sizes": {"pp": 1}}), args, data, "cpu",
+                           can_pipeline=True).choose_pp  # pp_size given: kept
+    assert not request_for(SimpleNamespace(**{**vars(spec), "world_size": 3}), args, data, "cpu",
+                           can_pipeline=True).choose_pp
+    assert not request_for(spec, _args(per_device_train_batch_size=3, pp_microbatches=None, pp_schedule="1F1B",
+                                       torch_compile=False), data, "cpu", can_pipeline=True).choose_pp
+
+
+def test_a_pipeline_candidate_idles_for_its_bubble_and_sends_activations():
+    rates = Rates(flops_per_s=1.0, link_bytes_per_s=1.0)
+    plain = Candidate(sharding="full_shard", ac="none", loss_chunk=0, peak=0, flops=60, wire_bytes=0)
+    pipeline = dataclasses.replace(plain, pp=2, bubble=0.25, p2p_bytes=15)
+    assert pipeline.name == "pp 2, full_shard, AC none, loss chunk off" and plain.name.startswith("full_shard")
+    assert pipeline.step_s(rates) == pytest.approx((60 + 15) / 0.75)
+
+
+def test_a_traced_pipeline_candidate_counts_the_steps_work_of_its_rank():
+    """pp 2 x dp 1 over the same global batch: the rank runs half the layers on twice the micro-batches, so its
+    compute is about the data-parallel rank's; it holds less (half the layers' weights and activations)."""
+    request = Request(world_size=2, sizes={}, per_device_batch=4, seq_len=16, gradient_accumulation_steps=1,
+                      mixed_precision="no", target="cpu", choose_sharding=False, choose_ac=False,
+                      choose_loss_chunk=False, choose_pp=True)
+    config = FSDPConfig.load({"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "layout": "auto"})
+    plain, pipeline = sorted(trace_candidates(tiny_llama(layers=4), config, request)[0], key=lambda c: c.pp)
+    assert (plain.pp, pipeline.pp) == (1, 2) and pipeline.bubble == pytest.approx(1 / 3)  # 1F1B, 2 microbatches
+    assert pipeline.flops == pytest.approx(plain.flops, rel=0.15) and pipeline.peak < plain.peak
+    assert pipeline.p2p_bytes == 2 * 4 * 16 * 32 * 4 * 2  # both directions, 2 micro-batches, hidden 32, fp32
+    gpt2 = trace_candidates(tiny_gpt2(), FSDPConfig.load({"layout": "auto"}), request)[0]
+    assert {c.pp for c in gpt2} == {1}  # no pipeline plan: no pipeline candidate
 
 
 def test_predicted_step_adds_every_cost():

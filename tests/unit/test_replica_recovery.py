@@ -140,3 +140,27 @@ def test_the_recovery_server_binds_where_it_is_told_or_says_why_not():
         assert taken.metadata() == f"http://127.0.0.1:{taken.port}/checkpoint"
     finally:
         taken.shutdown()
+
+
+def test_a_state_this_group_cannot_give_a_peer_stops_its_next_quorum():
+    """torchft only logs an error of the state it sends; the gate keeps it (not transient), so the group's next
+    `begin` raises it instead of every later quorum failing the same way."""
+    from types import SimpleNamespace
+
+    from shardtrain.train.loop.replica_gate import ReplicaGate
+
+    class Broken:
+        @property
+        def checkpoint_manager(self):
+            raise RuntimeError("no manager")
+
+    transport = SafeTransport("127.0.0.1", 0, timedelta(seconds=5))
+    try:
+        gate = object.__new__(ReplicaGate)
+        gate.trainer, gate.replicas = Broken(), SimpleNamespace(transport=transport)
+        with pytest.raises(RuntimeError, match="no manager"):
+            gate.state_dict()
+        assert isinstance(transport.failure, ReplicaGroupError) and not getattr(transport.failure, "transient", False)
+        assert "could not be read (RuntimeError: no manager)" in str(transport.failure)
+    finally:
+        transport.shutdown()

@@ -65,8 +65,8 @@ def run_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The `shardtrain` parser with its subcommands."""
     parser = argparse.ArgumentParser(
-        prog="shardtrain", description="FSDP2 training: config, launch, merge, env, plan, verify.", allow_abbrev=False
-    )
+        prog="shardtrain", allow_abbrev=False,
+        description="FSDP2 training: config, launch, merge, report, env, plan, verify, lighthouse.")
     from shardtrain import __version__
 
     parser.add_argument("--version", action="version", version=f"shardtrain {__version__}")

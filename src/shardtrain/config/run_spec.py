@@ -48,6 +48,8 @@ class RunSpec:
         fault_tolerance: the replica groups this job is one of (`parallel.replicas.FaultTolerance`), or None.
         loss_chunk_size: tokens per chunk of the LM head and its cross entropy, "auto", or None (off); an
             automatic layout may choose it (`parallel.layout_choice`).
+        accumulation_factor: the arguments' accumulation steps are taken this many times: an automatic layout that
+            chose a pipeline of pp stages has pp times fewer data-parallel ranks, and keeps the global batch so.
     """
 
     output_dir: Path
@@ -69,6 +71,7 @@ class RunSpec:
     pp_microbatches: int | None = None
     pp_layers: tuple[int, ...] | None = None
     fault_tolerance: FaultTolerance | None = None
+    accumulation_factor: int = 1
 
     @property
     def fsdp_enabled(self) -> bool:

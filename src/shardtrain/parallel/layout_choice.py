@@ -8,8 +8,9 @@ imports upward:
     chooser = layout_choice.before_start(spec, args, model, dataset)   # None unless "layout": "auto"
     runtime = Runtime.start(spec, model, chooser=chooser)  # every rank agrees; the spec is frozen with it
 
-What a chooser decides (sharding, activation checkpointing, the loss chunk size) ends up in the frozen `RunSpec`
-that the run reads; the user's `TrainingArguments` are left as they were given.
+What a chooser decides (sharding, activation checkpointing, the loss chunk size, a pipeline with the accumulation
+that keeps the global batch) ends up in the frozen `RunSpec` that the run reads; the user's `TrainingArguments`
+are left as they were given.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class LayoutChooser(Protocol):
         """Every rank: the same choice (rank 0's); returns `spec` (a `RunSpec`) with the chosen layout."""
 
 
-# (spec, args, model, train_dataset) -> LayoutChooser, called before the process group starts
-ChooserFactory = Callable[[Any, Any, Any, Any], LayoutChooser]
+# (spec, args, model, train_dataset, can_pipeline) -> LayoutChooser, called before the process group starts
+ChooserFactory = Callable[[Any, Any, Any, Any, bool], LayoutChooser]
 _factory: ChooserFactory | str | None = None
 
 
@@ -40,8 +41,10 @@ def register(factory: ChooserFactory | str) -> None:
     _factory = factory
 
 
-def before_start(spec: Any, args: Any, model: Any, train_dataset: Any) -> LayoutChooser | None:
-    """The registered chooser for this run when its `fsdp_config` asks for `"layout": "auto"`; else None."""
+def before_start(spec: Any, args: Any, model: Any, train_dataset: Any,
+                 can_pipeline: bool = False) -> LayoutChooser | None:
+    """The registered chooser for this run when its `fsdp_config` asks for `"layout": "auto"`; else None.
+    `can_pipeline`: the run's loss is the engine's own, so the chooser may split the model into a pipeline."""
     if spec.fsdp is None or spec.fsdp.layout != "auto":
         return None
     if _factory is None:
@@ -53,4 +56,4 @@ def before_start(spec: Any, args: Any, model: Any, train_dataset: Any) -> Layout
         factory = importlib.import_module(module)
         for name in attribute.split("."):
             factory = getattr(factory, name)
-    return factory(spec, args, model, train_dataset)
+    return factory(spec, args, model, train_dataset, can_pipeline)

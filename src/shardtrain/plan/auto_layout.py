@@ -5,7 +5,11 @@
 The candidates are sharding (`no_shard`: plain data parallel, every rank holds the whole model;
 `shard_grad_op`: `reshard_after_forward` false; `full_shard`) x activation checkpointing (none, selective, full) x
 the loss chunk (off, "auto"), and on CPU plain data parallel with the whole model as one unit
-(`no_shard_one_unit`, AC none), less every key the user set (those stay as given). How the choice is made:
+(`no_shard_one_unit`, AC none), less every key the user set (those stay as given). A plain data-parallel run of a
+model with a pipeline plan (Llama, Qwen2, ...), with the engine's own loss and no pp_size set, also gets a
+pipeline of 2 stages x each checkpointing mode (its schedule and microbatches the run's `pp_schedule` and
+`pp_microbatches`): pp 2 halves the data-parallel ranks, so the run then takes 2 x the accumulation steps, and the
+global batch (and every loss) stays the one the arguments describe. How the choice is made:
 1. rank 0 traces each candidate's step before the process group starts (`shardtrain.plan`, fake tensors: peak
    memory, FLOPs, bytes on the wire per collective kind, collective calls, ops, and the ops selective
    checkpointing's Python policy sees; the other ranks do not trace); where the process group is already up (TRL's
@@ -82,7 +86,7 @@ class Choice:
         return {"chosen": self.candidate.name, "budget_bytes": self.budget, "budget_source": self.budget_source,
                 "rates": dataclasses.asdict(self.rates),
                 "candidates": [{"name": c.name, "sharding": c.sharding, "activation_checkpointing": c.ac,
-                                "loss_chunk": c.loss_chunk, "predicted_peak_bytes": c.peak, "ops": c.ops,
+                                "loss_chunk": c.loss_chunk, "pp": c.pp, "predicted_peak_bytes": c.peak, "ops": c.ops,
                                 "collective_calls": c.collective_calls, "selective_ops": c.selective_ops,
                                 "units": c.units,
                                 "predicted_step_s": self.step_s(c), "fits": c.peak <= self.budget}
@@ -135,9 +139,10 @@ class AutoLayout:
     loss_chunk: int = 0  # the chosen loss chunk (tokens; 0: off), after `agree`
 
     @classmethod
-    def before_start(cls, spec: Any, args: Any, model: Any, train_dataset: Any) -> AutoLayout:
+    def before_start(cls, spec: Any, args: Any, model: Any, train_dataset: Any,
+                     can_pipeline: bool = False) -> AutoLayout:
         """Trace the candidates on rank 0 (the launcher's RANK, or the started process group's rank); the other
-        ranks only read the request.
+        ranks only read the request. `can_pipeline`: a pipeline may be offered (`candidates.request_for`).
 
         Raises:
             FSDPConfigError: no model to plan, no sequence length, a run the planner cannot trace, or (process
@@ -151,7 +156,7 @@ class AutoLayout:
         if model is None or isinstance(model, str | os.PathLike) and not os.path.isdir(model):
             raise FSDPConfigError("fsdp_config 'layout': \"auto\" plans the model passed to Trainer(model=...); "
                                   "with model_init (or a hub name) set the layout by hand ('layout': \"manual\")")
-        request = request_for(spec, args, train_dataset, device_type())
+        request = request_for(spec, args, train_dataset, device_type(), can_pipeline=can_pipeline)
         if not dist.is_initialized():
             if int(os.environ.get("RANK", "0")) != 0:
                 return cls(request=request, candidates=[])
@@ -175,7 +180,7 @@ class AutoLayout:
         """Every rank: measure the rates, rank 0 chooses and broadcasts (sharding, AC, loss chunk); returns
         `spec` with the chosen layout, the loss chunk included when the arguments left it to the choice."""
         link, round_trip = measure_link(backend.device) if backend.world_size > 1 else ({}, 0.0)
-        picked = torch.zeros(3, dtype=torch.int64, device=backend.device)
+        picked = torch.zeros(4, dtype=torch.int64, device=backend.device)
         problem = None
         if backend.rank == 0:
             per_op, per_selective_op = measure_host(backend.device)
@@ -192,7 +197,7 @@ class AutoLayout:
                                      rates=rates)
                 pick = self.choice.candidate
                 picked[:] = torch.tensor([SHARDINGS.index(pick.sharding), list(AC_VALUES).index(pick.ac),
-                                          pick.loss_chunk])
+                                          pick.loss_chunk, pick.pp])
                 print(self.choice.report(), flush=True)
         if backend.world_size > 1:
             from shardtrain.parallel.collectives import agree
@@ -201,8 +206,10 @@ class AutoLayout:
             backend.broadcast(picked)
         elif problem is not None:
             raise FSDPConfigError(problem)
-        sharding, ac, self.loss_chunk = (int(v) for v in picked.cpu())
+        sharding, ac, self.loss_chunk, pp = (int(v) for v in picked.cpu())
         fsdp = layout_config(spec.fsdp, SHARDINGS[sharding] if self.request.choose_sharding else None,
                              list(AC_VALUES)[ac])
         chunk = {"loss_chunk_size": self.loss_chunk or None} if self.request.choose_loss_chunk else {}
+        if pp > 1:  # a pipeline: pp x the accumulation steps over world / pp data ranks, the same global batch
+            chunk.update(sizes={**spec.sizes, "pp": pp}, accumulation_factor=pp)
         return dataclasses.replace(spec, fsdp=fsdp, **chunk)

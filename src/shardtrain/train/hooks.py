@@ -130,13 +130,14 @@ class TrainerLoopHooks:
         trainer.backend.step_end()
         if trainer.backend.is_sharded(trainer.model):
             reshard_all(trainer.model)
+        failed, trainer._train_batch_size = trainer._train_batch_size, smaller
+        trainer.state.train_batch_size = smaller
+        data, plan = trainer.training_plan()
         if trainer.rank == 0:
             print(f"warning: auto_find_batch_size: step {trainer.state.global_step + 1} ran out of memory with "
-                  f"{trainer._train_batch_size} samples per device ({type(err).__name__}); going on with {smaller} "
-                  f"x {trainer.args.gradient_accumulation_steps * configured // smaller} accumulation steps, the "
-                  "same global batch", file=sys.stderr, flush=True)
-        trainer._train_batch_size = trainer.state.train_batch_size = smaller
-        return trainer.training_plan()
+                  f"{failed} samples per device ({type(err).__name__}); going on with {smaller} x "
+                  f"{data.accumulation_steps} accumulation steps, the same global batch", file=sys.stderr, flush=True)
+        return data, plan
 
     def checkpoint_for_exit(self) -> None:
         trainer = self.trainer

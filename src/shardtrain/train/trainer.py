@@ -214,7 +214,9 @@ class Trainer(transformers.Trainer):
         spec = RunSpec.resolve(args)
         # fsdp_config "layout": "auto": rank 0 traces the candidate layouts before the process group starts; the
         # runtime's spec is frozen with the choice (the arguments stay as given)
-        self.auto_layout = layout_choice.before_start(spec, args, model, train_dataset)
+        self.auto_layout = layout_choice.before_start(
+            spec, args, model, train_dataset, can_pipeline=self.labels_from_inputs and compute_loss_func is None
+            and not args.predict_with_generate and not any(map(self.overrides, ("compute_loss", "prediction_step"))))
         self.runtime = runtime = Runtime.start(spec, model, chooser=self.auto_layout)
         self.spec = spec = runtime.spec
         self.preparation = ModelPreparation(runtime)

@@ -82,10 +82,12 @@ class TrainingData:
            per_device: int | None = None) -> TrainingData:
         """The part for `TrainingArguments` `args` (batch sizes, accumulation, seeds, `dataloader_*`) on a
         `parallel.runtime.Runtime`. `per_device`: a per-device batch below the configured one (which it divides;
-        `auto_find_batch_size`), the accumulation steps grown so that the global batch stays the same."""
+        `auto_find_batch_size`), the accumulation steps grown so that the global batch stays the same (and by the
+        spec's `accumulation_factor`: a pipeline an automatic layout chose)."""
         device = runtime.device
         per_device = per_device or args.per_device_train_batch_size
-        accumulation = args.gradient_accumulation_steps * args.per_device_train_batch_size // per_device
+        accumulation = (args.gradient_accumulation_steps * runtime.spec.accumulation_factor
+                        * args.per_device_train_batch_size // per_device)
         dp_size, dp_rank = runtime.dims.batch_size, runtime.dp_rank
         if runtime.spec.fault_tolerance is not None:  # replica groups: slices of one global batch
             dp_size, dp_rank = runtime.spec.fault_tolerance.data_split(dp_size, dp_rank)

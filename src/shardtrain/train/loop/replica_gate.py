@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from shardtrain.config.fault_tolerance import FaultTolerance
+from shardtrain.errors import ReplicaGroupError
 from shardtrain.parallel.replicas import ReplicaGroups, layout_signature
 from shardtrain.train.data.batch_plan import BatchPlan, derive_seed
 from shardtrain.train.data.training_data import Plan
@@ -135,18 +136,26 @@ class ReplicaGate:
 
     # -- what a recovering group receives -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """What a recovering peer receives. torchft calls it in its quorum and only logs an error; a state this
+        group cannot give is a bug, not a passing fault, so the error is kept and this group's next quorum raises
+        it (`ReplicaGroups.begin`) instead of every later quorum failing in the same way."""
         trainer = self.trainer
-        states = trainer._checkpoints().states()
-        progress = {k: v for k, v in dataclasses.asdict(trainer.state).items() if k not in OWN_FIELDS}
-        return {"model": states.model_state(), "optimizer": states.optimizer_state(),
-                "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {},
-                "progress": json.loads(json.dumps(progress))}
+        try:
+            states = trainer.checkpoint_manager.states()
+            progress = {k: v for k, v in dataclasses.asdict(trainer.state).items() if k not in OWN_FIELDS}
+            return {"model": states.model_state(), "optimizer": states.optimizer_state(),
+                    "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {},
+                    "progress": json.loads(json.dumps(progress))}
+        except Exception as err:
+            self.replicas.transport.failure = ReplicaGroupError(
+                f"this group's state for a recovering peer could not be read ({type(err).__name__}: {err})")
+            raise
 
     def load_state_dict(self, received: dict[str, Any]) -> None:
         from shardtrain.parallel.recovery import copy_into
 
         trainer = self.trainer
-        states = trainer._checkpoints().states()
+        states = trainer.checkpoint_manager.states()
         local = {"model": states.model_state(), "optimizer": states.optimizer_state()}
         copy_into(local, {"model": received["model"], "optimizer": received["optimizer"]}, "state")
         states.load_model_state(local["model"])

@@ -250,6 +250,7 @@ def log_training_plan(args: Any, plan: Plan, max_steps: int, *, dataset: Any, mo
     log.info(f"  Num update steps per epoch = {steps_per_epoch:,}")
     log.info(f"  Instantaneous batch size per device = {args.per_device_train_batch_size:,}")
     log.info(f"  Total train batch size (w. parallel, distributed & accumulation) = {plan.global_batch_size:,}")
-    log.info(f"  Gradient Accumulation steps = {args.gradient_accumulation_steps}")
+    # (the plan's: a pipeline an automatic layout chose takes more of them, for the same global batch)
+    log.info(f"  Gradient Accumulation steps = {getattr(plan, 'accumulation_steps', args.gradient_accumulation_steps)}")
     log.info(f"  Total optimization steps = {max_steps:,}")
     log.info(f"  Number of trainable parameters = {get_model_param_count(model, trainable_only=True):,}")
