@@ -52,8 +52,9 @@ class ReplicaGroups:
     uses it (see the module docstring). Built by `start`; `close` at the end of the run."""
 
     def __init__(self, settings: FaultTolerance, manager: Any, transport: SafeTransport, *, rank: int,
-                 signature: float, device: torch.device) -> None:
+                 signature: float, device: torch.device, store: Any = None) -> None:
         self.settings, self.manager, self.transport = settings, manager, transport
+        self._store = store  # a group of one process not launched by torchrun: its own store, kept alive here
         self.rank, self.signature, self.device = rank, signature, device
         self.groups: tuple[int, ...] = ()  # the groups of the last quorum's counts
         self.healed = False  # set by the state loader while a quorum heals this group
@@ -95,8 +96,7 @@ class ReplicaGroups:
             raise ReplicaGroupError(f"replica group {settings.replica_group}: cannot reach the lighthouse at "
                                     f"{settings.lighthouse} ({_short(err)}); start it first (`shardtrain "
                                     "lighthouse`) and check the address") from None
-        replicas = cls(settings, manager, transport, rank=rank, signature=signature, device=device)
-        replicas._store = store
+        replicas = cls(settings, manager, transport, rank=rank, signature=signature, device=device, store=store)
 
         def load(received: Any) -> None:
             load_state_dict(received)

@@ -17,7 +17,10 @@ from tiny_models import tiny_llama, variable_length_dataset
 
 from shardtrain import Trainer, TrainingArguments
 
-BASE = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+# the sharding and activation checkpointing set: the candidates are this layout with and without a pipeline (two
+# traces rather than twenty)
+BASE = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True,
+        "activation_checkpointing": False}
 
 
 def arguments(out: Path, fsdp_config: dict) -> TrainingArguments:

@@ -162,9 +162,7 @@ class OptimizerStep:
         if self.replicas is not None:  # the quorum's sum (and the logged loss's), then all commit or none
             self.replicas.reduce_grads(list(self.model.parameters()), [loss_sum])
             if not self.replicas.commit():
-                hooks.discard_step()
-                return StepResult(loss_sum=loss_sum, tokens=targets, input_tokens=inputs,
-                                  grad_norm=torch.zeros((), device=self.device), learning_rate=0.0, committed=False)
+                return self._uncommitted(hooks, closed=True, loss_sum=loss_sum, tokens=targets, inputs=inputs)
         uncounted: set[int] = set()
         if self.pipeline is not None:
             self.pipeline.sum_tied_grads()
@@ -183,12 +181,17 @@ class OptimizerStep:
                           learning_rate=learning_rate, skipped=skipped,
                           groups=self.replicas.groups if self.replicas is not None else ())
 
-    def _uncommitted(self, hooks: StepHooks) -> StepResult:
-        self.replicas.commit()  # every rank of the group reports the failure; the quorum closes
+    def _uncommitted(self, hooks: StepHooks, *, closed: bool = False, loss_sum: torch.Tensor | None = None,
+                     tokens: int = 0, inputs: int = 0) -> StepResult:
+        """The result of a step the replica groups did not commit: nothing stepped, the gradients dropped.
+        `closed`: the quorum has voted already; else this rank votes no first (every rank of the group reports the
+        failure, so the quorum closes)."""
+        if not closed:
+            self.replicas.commit()
         hooks.discard_step()
         zero = torch.zeros((), device=self.device)
-        return StepResult(loss_sum=zero, tokens=0, input_tokens=0, grad_norm=zero, learning_rate=0.0,
-                          committed=False)
+        return StepResult(loss_sum=zero if loss_sum is None else loss_sum, tokens=tokens, input_tokens=inputs,
+                          grad_norm=zero, learning_rate=0.0, committed=False)
 
     def global_counts(self, local: torch.Tensor, step: int, counted: bool = True) -> tuple[int, int]:
         """(target tokens or samples, input tokens) of the global batch from this rank's `local` counts, in one
