@@ -16,7 +16,9 @@ WORKER = Path(__file__).parent / "workers" / "pipeline_run.py"
 def run(tmp_path: Path, nproc: int, *args: str) -> list[dict]:
     out = tmp_path / "out"
     out.mkdir()
-    torchrun(WORKER, nproc, str(out), *args, timeout=300)
+    proc = torchrun(WORKER, nproc, str(out), *args, timeout=300)
+    # FSDP's warning of a model returning a view (the skipped head's slice, cloned by the stage) is not shown
+    assert "returned a view tensor" not in proc.stderr
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -37,6 +39,8 @@ def test_two_stages_equal_one_process_with_tied_embeddings(tmp_path, schedule, m
     results = run(tmp_path, 2, "2", schedule, microbatches, "1")
     check_equal_to_one_process(results, 2)
     first, last = results
+    if schedule not in ("GPipe", "1F1B"):  # the planner's bubble is what torch's own table of the schedule gives
+        assert first["table_idle_shares"] == pytest.approx([first["bubble"]] * 2, abs=1e-12)
     if schedule in ("ZBVZeroBubble", "DualPipeV"):  # a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
         assert {k.split(".")[2] for k in first["keys"] if k.startswith("model.layers.")} == {"0", "3"}
         assert {k.split(".")[2] for k in last["keys"] if k.startswith("model.layers.")} == {"1", "2"}

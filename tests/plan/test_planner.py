@@ -260,3 +260,31 @@ def test_a_pipeline_stage_holds_its_layers_and_its_microbatches_in_flight():
     # default: the pipeline's stages)
     interleaved = quick(config, world_size=2, per_device_batch=4, pp=2, pp_schedule="Interleaved1F1B")
     assert interleaved.settings["pipeline"]["bubble"] == pytest.approx(1 / (2 * 4 + 1))
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (3, 2)])
+def test_fill_drain_schedules_played_from_their_tables_idle_for_the_bubble(stages, microbatches):
+    """GPipe's and 1F1B's tables (torch builds none for one stage per rank), played with a backward twice a
+    forward, leave every rank idle (p - 1) / (m + p - 1) of the step; stages of unequal times idle for the slow
+    one; a table whose action waits on one that never comes is refused, naming the rank."""
+    from shardtrain.errors import PlanError
+    from shardtrain.plan.pipeline_estimate import bubble_fraction, fill_drain_table, idle_shares
+
+    p, m = stages, microbatches
+    gpipe, one_f_one_b = (fill_drain_table(name, stages=p, microbatches=m) for name in ("GPipe", "1F1B"))
+    assert gpipe[p - 1] == [f"{p - 1}F{i}" for i in range(m)] + [f"{p - 1}B{i}" for i in range(m)]
+    if (p, m) == (2, 4):  # 1F1B: p - rank forwards, then a backward and a forward in turn
+        assert one_f_one_b == {0: ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
+                               1: ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]}
+    expected = (p - 1) / (m + p - 1)
+    for table, name in ((gpipe, "GPipe"), (one_f_one_b, "1F1B")):
+        shares = idle_shares(table, stages=p)
+        assert shares == pytest.approx(dict.fromkeys(range(p), expected))
+        assert bubble_fraction(name, stages=p, microbatches=m) == pytest.approx(expected)
+    # a last stage twice as slow sets the pace: 1F1B over 2 ranks, 4 microbatches: the first stage's forward, then
+    # 4 of the last stage's (2 + 4), then the first stage's backward: a step of 1 + 24 + 2
+    slow = {(0, "F"): 1.0, (0, "B"): 2.0, (1, "F"): 2.0, (1, "B"): 4.0}
+    if (p, m) == (2, 4):
+        assert idle_shares(one_f_one_b, stages=2, durations=slow) == pytest.approx({0: 1 - 12 / 27, 1: 1 - 24 / 27})
+    with pytest.raises(PlanError, match=r"ranks \[0, 1\] wait at 0B0 \(rank 0\), 1F0 \(rank 1\)"):
+        idle_shares({0: ["0B0", "0F0"], 1: ["1F0", "1B0"]}, stages=2)  # rank 0's backward before its forward

@@ -10,7 +10,8 @@ from tiny_models import tiny_gpt2, tiny_llama
 
 from shardtrain.errors import ParallelDimsError, PipelineError
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.parallel.pipeline import PipelineSettings, StageModule, check_settings, split_for_rank
+from shardtrain.parallel.pipeline import StageModule, split_for_rank
+from shardtrain.parallel.pipeline_settings import PipelineSettings, check_settings
 from shardtrain.parallel.pipeline_split import Skipped, layer_ranges, published_aliases, split_model, stage_split
 
 

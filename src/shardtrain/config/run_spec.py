@@ -42,9 +42,9 @@ class RunSpec:
         cp_regather_kv: context parallel: all-gather K/V again in backward instead of keeping them.
         save_async: checkpoints written in the background.
         seed: the run's seed (the XLA runtime's RNG).
-        pp_schedule, pp_microbatches, pp_layers: the pipeline's schedule (a name of `parallel.pipeline.SCHEDULES`),
-            the microbatches each micro-batch is split into (None: as many as the pipeline has stages) and the
-            decoder layers of each stage (None: an even split).
+        pp_schedule, pp_microbatches, pp_layers: the pipeline's schedule (a name of
+            `parallel.pipeline_settings.SCHEDULES`), the microbatches each micro-batch is split into (None: as many
+            as the pipeline has stages) and the decoder layers of each stage (None: an even split).
         fault_tolerance: the replica groups this job is one of (`parallel.replicas.FaultTolerance`), or None.
         loss_chunk_size: tokens per chunk of the LM head and its cross entropy, "auto", or None (off); an
             automatic layout may choose it (`parallel.layout_choice`).

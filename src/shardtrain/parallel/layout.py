@@ -20,7 +20,8 @@ from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.expert import apply_ep, without_experts
 from shardtrain.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, fsdp_units
-from shardtrain.parallel.pipeline import PipelineSettings, split_for_rank
+from shardtrain.parallel.pipeline import split_for_rank
+from shardtrain.parallel.pipeline_settings import PipelineSettings
 from shardtrain.parallel.tensor import apply_tp, model_tp_plan
 
 

@@ -27,6 +27,8 @@ only when that shape changes, all ranks together (the inference runs a forward, 
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,105 +44,11 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from shardtrain.errors import PipelineError
 from shardtrain.model_facts import IGNORE_INDEX
 from shardtrain.parallel import collectives
+from shardtrain.parallel.pipeline_settings import SCHEDULES, SPLIT_BACKWARD, PipelineSettings
 from shardtrain.parallel.pipeline_split import StageSplit, active_stage, split_model
 
-# the schedules of torch.distributed.pipelining, by the names `pp_schedule` takes
-SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
-             "LoopedBFS": "ScheduleLoopedBFS", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
-             "ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
-SINGLE_STAGE = ("GPipe", "1F1B")
-# schedules that split each backward into an input-gradient and a weight-gradient pass
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-# schedules whose rank r holds stages r and 2 pp - 1 - r (a "V": the first and the last stage on rank 0)
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-STAGES_PER_RANK = 2  # of a multi-stage schedule
 # the inputs every stage is given (the others go to the first stage only, or are refused)
 STAGE_KWARGS = ("attention_mask", "position_ids")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineSettings:
-    """`pp_schedule`, `pp_microbatches` (None: as many microbatches as stages) and `pp_layers` (decoder layers
-    per stage, in stage order; None: an even split)."""
-
-    schedule: str = "1F1B"
-    microbatches: int | None = None
-    layers: tuple[int, ...] | None = None
-
-    @classmethod
-    def of(cls, settings: Any) -> PipelineSettings:
-        """From the `pp_schedule`, `pp_microbatches` and `pp_layers` of `TrainingArguments` or a `RunSpec`."""
-        layers = getattr(settings, "pp_layers", None)
-        return cls(schedule=settings.pp_schedule, microbatches=settings.pp_microbatches,
-                   layers=tuple(layers) if layers is not None else None)
-
-    def microbatches_for(self, pp: int) -> int:
-        """`microbatches`, or as many as the pipeline over `pp` ranks has stages."""
-        return self.stage_count(pp) if self.microbatches is None else self.microbatches
-
-    @property
-    def multi_stage(self) -> bool:
-        return self.schedule not in SINGLE_STAGE
-
-    def stage_count(self, pp: int) -> int:
-        """The pipeline's stages over `pp` ranks."""
-        return pp * (STAGES_PER_RANK if self.multi_stage else 1)
-
-    def local_stages(self, pp_rank: int, pp: int) -> tuple[int, ...]:
-        """The stages rank `pp_rank` of `pp` holds, in schedule order."""
-        if not self.multi_stage:
-            return (pp_rank,)
-        if self.schedule in V_SHAPED:
-            return (pp_rank, 2 * pp - 1 - pp_rank)
-        return tuple(pp_rank + k * pp for k in range(STAGES_PER_RANK))
-
-    @property
-    def ends_apart(self) -> bool:
-        """Whether the first and the last stage are on two ranks (all but the V-shaped schedules)."""
-        return self.schedule not in V_SHAPED
-
-
-def check_settings(settings: PipelineSettings, *, pp: int, per_device_batch: int | None = None,
-                   compiled: bool = False) -> None:
-    """Refuse a schedule or microbatch count a pipeline over `pp` ranks cannot run, with the numbers.
-
-    Raises:
-        PipelineError: an unknown schedule, microbatches < 1, fewer microbatches than 1F1B needs (pp) or
-            DualPipeV needs (its 2 pp stages), a looped schedule's microbatches that are not a multiple of pp, a
-            micro-batch that does not split into the microbatches, or a zero-bubble schedule with `torch_compile`
-            (`compiled`), which torch does not run.
-    """
-    from shardtrain.config.values import closest
-
-    if settings.schedule not in SCHEDULES:
-        raise PipelineError(f"pp_schedule = {settings.schedule!r} is not a schedule; use one of {list(SCHEDULES)}"
-                            f"{closest(settings.schedule, list(SCHEDULES))}")
-    if compiled and settings.schedule in SPLIT_BACKWARD:
-        raise PipelineError(f"pp_schedule = {settings.schedule!r} with torch_compile: torch.distributed.pipelining "
-                            "does not split the backward of a compiled stage into its input and weight passes; set "
-                            "torch_compile=False, or use 'Interleaved1F1B' or '1F1B'")
-    count = settings.microbatches_for(pp)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise PipelineError(f"pp_microbatches = {settings.microbatches!r} must be an int >= 1")
-    least = {"1F1B": pp, "DualPipeV": 2 * pp}.get(settings.schedule, 1)
-    if count < least:
-        raise PipelineError(f"pp_microbatches = {count} is fewer than the {least} {settings.schedule} needs over "
-                            f"pp_size = {pp} ranks; set pp_microbatches >= {least}, or pp_schedule 'GPipe'")
-    if settings.multi_stage and count % pp:
-        raise PipelineError(f"pp_microbatches = {count} is not a multiple of pp_size = {pp}, which "
-                            f"{settings.schedule} runs in rounds of; set it to {pp * -(-count // pp)}")
-    if settings.layers is not None:
-        stages = settings.stage_count(pp)
-        if len(settings.layers) != stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-                                                 for n in settings.layers):
-            raise PipelineError(f"pp_layers = {list(settings.layers)} must give each of the {stages} pipeline "
-                                f"stages (pp_size {pp}{' x 2 per rank' if stages > pp else ''}) a number of "
-                                "layers >= 1, in stage order")
-    if per_device_batch is not None and per_device_batch % count:
-        raise PipelineError(
-            f"per_device_train_batch_size = {per_device_batch} does not split into pp_microbatches = {count} equal "
-            f"microbatches; make the batch a multiple of {count} (e.g. {count * max(1, per_device_batch // count)}) "
-            "or choose pp_microbatches among its divisors")
 
 
 def split_for_rank(model: nn.Module, settings: PipelineSettings, pp_rank: int, pp: int) -> StageSplit:
@@ -220,13 +128,19 @@ class Pipeline:
         pass needs the weights its input pass used: they stay gathered from a stage's forward to the end of the
         schedule's step, where the gradients are reduced once (`_reduced_once`)."""
         group = pp_mesh.get_group()
+        split_backward = settings.schedule in SPLIT_BACKWARD
+        # FSDP warns that the model returns a view: a skipped head's "logits" are a slice of the hidden states,
+        # which `StageModule` clones before anything else touches them (the warning's in-place case cannot arise)
+        model_class = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+        warnings.filterwarnings("ignore", category=UserWarning, message=re.escape(
+            f"FSDP2-wrapped module (FSDP{model_class}) returned a view tensor"))
         if len(split.held) == 1:
             roots = [StageModule(model, first=split.is_first)]
             shard_root(roots[0])
         else:
             roots = [StageModule(model, first=stage == 0, split=split, stage=stage) for stage in split.held]
             _initialize_fsdp(model, split, device)
-            if settings.schedule in SPLIT_BACKWARD and isinstance(model, FSDPModule):
+            if split_backward and isinstance(model, FSDPModule):
                 model.set_reshard_after_forward(False)
         stages = [_Stage(root, stage, split.stages, device, group=group)
                   for root, stage in zip(roots, split.held, strict=True)]
@@ -240,7 +154,7 @@ class Pipeline:
         pad = getattr(config, "pad_token_id", None)
         pipeline = cls(model=model, split=split, stages=stages, schedule=schedule, pp_group=group,
                        tie_group=tie_group, microbatches=microbatches, device=device,
-                       pad_token=pad if isinstance(pad, int) else 0, split_backward=settings.schedule in SPLIT_BACKWARD)
+                       pad_token=pad if isinstance(pad, int) else 0, split_backward=split_backward)
         return pipeline
 
     @property

@@ -18,7 +18,7 @@ from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
 from shardtrain.parallel.layout import Layout
 from shardtrain.parallel.layout_choice import LayoutChooser
-from shardtrain.parallel.pipeline import PipelineSettings, check_settings
+from shardtrain.parallel.pipeline_settings import PipelineSettings, check_settings
 
 
 def make_backend(spec: RunSpec) -> TrainingBackend:

@@ -202,8 +202,7 @@ def trace_candidates(model: Any, config: FSDPConfig, request: Request
         except PlanError as err:
             raise FSDPConfigError(f"fsdp_config 'layout': \"auto\" could not plan this run: {err}; set the layout "
                                   "by hand ('layout': \"manual\")") from None
-        label = sharding or ("no_shard" if base.replicate_only else
-                             "full_shard" if base.reshard_after_forward else "shard_grad_op")
+        label = sharding or sharding_label(base)
         gemm = gemm or result.trace.gemm
         for mode, trace in result.ac_traces.items():
             # "auto" may come to no chunking (a small vocabulary) or one chunk of every token: the same layout
@@ -219,6 +218,13 @@ def trace_candidates(model: Any, config: FSDPConfig, request: Request
         for chunk in chunks:
             found.update(_pipeline_candidates(model, manual, request, chunk))
     return list(found.values()), gemm
+
+
+def sharding_label(config: FSDPConfig) -> str:
+    """The `SHARDINGS` name of what `config` does: "no_shard", "full_shard" or "shard_grad_op"."""
+    if config.replicate_only:
+        return "no_shard"
+    return "full_shard" if config.reshard_after_forward else "shard_grad_op"
 
 
 def _pipeline_candidates(model: Any, config: FSDPConfig, request: Request, chunk: int | str | None
@@ -246,8 +252,7 @@ def _pipeline_candidates(model: Any, config: FSDPConfig, request: Request, chunk
     value_bytes = 2 if request.mixed_precision in ("bf16", "fp16") else 4
     # every micro-batch's activations go to the next stage and their gradient comes back
     p2p = 2 * request.per_device_batch * request.seq_len * _hidden_size(model) * value_bytes * steps
-    label = "no_shard" if config.replicate_only else "full_shard" if config.reshard_after_forward else \
-        "shard_grad_op"
+    label = sharding_label(config)
     found = {}
     for mode, trace in result.ac_traces.items():
         chunk_tokens = trace.loss_chunk_size if 0 < trace.loss_chunk_size < request.tokens else 0

@@ -209,7 +209,7 @@ def _pipeline_stage(build: Any, setup: StepSetup, schedule: str, microbatches: i
     """The traced step of the pipeline stage that peaks higher, the first (the most microbatches in flight under
     1F1B, the embeddings) or the last (the head and the logits): each traced with the rows of the microbatches it
     holds at once (`pipeline_estimate.in_flight`). Returns (its setup, its trace, what the plan reports)."""
-    from shardtrain.parallel.pipeline import PipelineSettings, check_settings
+    from shardtrain.parallel.pipeline_settings import PipelineSettings, check_settings
     from shardtrain.plan.pipeline_estimate import bubble_fraction, in_flight
 
     dims = setup.dims

@@ -34,7 +34,7 @@ from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.errors import PlanError
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
-from shardtrain.parallel.pipeline import PipelineSettings
+from shardtrain.parallel.pipeline_settings import PipelineSettings
 from shardtrain.parallel.pipeline_split import stage_split
 from shardtrain.plan.experts import GroupedMmShapes
 from shardtrain.plan.lifecycle import TensorLayout, tensor_layout

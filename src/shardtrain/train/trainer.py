@@ -214,9 +214,10 @@ class Trainer(transformers.Trainer):
         spec = RunSpec.resolve(args)
         # fsdp_config "layout": "auto": rank 0 traces the candidate layouts before the process group starts; the
         # runtime's spec is frozen with the choice (the arguments stay as given)
+        self.compute_loss_func = compute_loss_func  # (read by `custom_loss`: a pipeline computes the loss itself)
         self.auto_layout = layout_choice.before_start(
-            spec, args, model, train_dataset, can_pipeline=self.labels_from_inputs and compute_loss_func is None
-            and not args.predict_with_generate and not any(map(self.overrides, ("compute_loss", "prediction_step"))))
+            spec, args, model, train_dataset, can_pipeline=self.labels_from_inputs and not self.custom_loss
+            and not args.predict_with_generate and not self.overrides("prediction_step"))
         self.runtime = runtime = Runtime.start(spec, model, chooser=self.auto_layout)
         self.spec = spec = runtime.spec
         self.preparation = ModelPreparation(runtime)
@@ -251,7 +252,7 @@ class Trainer(transformers.Trainer):
         self.dataset_checks = DatasetChecks(rank=self.rank, device=self.device, keep_columns=keep_columns,
                                             check_samples=data_collator is None and
                                             not hasattr(self.processing_class, "pad"))
-        self.compute_metrics, self.compute_loss_func = compute_metrics, compute_loss_func
+        self.compute_metrics = compute_metrics
         check_compute_metrics(args, compute_metrics)
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers

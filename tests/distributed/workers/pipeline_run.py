@@ -22,6 +22,7 @@ import transformers
 from tiny_models import tiny_llama, variable_length_dataset
 
 from shardtrain import Trainer, TrainerCallback, TrainingArguments, destroy_distributed
+from shardtrain.plan.pipeline_estimate import bubble_fraction, idle_shares
 from shardtrain.train.data.batch_plan import BatchPlan, PaddingCollator
 
 STEPS, BATCH, ACCUM, LR, DECAY, CLIP = 3, 4, 2, 1e-3, 0.1, 0.5
@@ -90,7 +91,11 @@ def main() -> None:
     rank = dist.get_rank()
     result = {"losses": logged.losses, "grad_norms": logged.norms, "reference_losses": ref_losses,
               "reference_grad_norms": ref_norms, "max_weight_diff": max(diffs.values()), "max_weight_change": moved,
-              "keys": sorted(state), "stage": trainer.pipeline.split.stage, "layout": trainer.dims.describe()}
+              "keys": sorted(state), "stage": trainer.pipeline.split.stage, "layout": trainer.dims.describe(),
+              "bubble": bubble_fraction(schedule, stages=pp, microbatches=microbatches)}
+    if len(trainer.pipeline.stages) > 1:  # torch's table of a schedule of several stages per rank, played
+        result["table_idle_shares"] = list(idle_shares(trainer.pipeline.schedule.pipeline_order,
+                                                       stages=trainer.pipeline.split.stages).values())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     destroy_distributed()
 

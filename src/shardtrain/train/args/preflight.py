@@ -104,7 +104,7 @@ def check_training_inputs(args: Any, *, train_dataset: Any, eval_dataset: Any, c
 def check_pipeline_inputs(args: Any, *, stages: int, custom_loss: bool, loss_kind: str, per_sample: bool) -> None:
     """What a pipeline (pp_size > 1) trains: the token cross entropy of a causal LM the engine computes on the last
     stage, from micro-batches that split into `pp_microbatches` microbatches."""
-    from shardtrain.parallel.pipeline import PipelineSettings, check_settings
+    from shardtrain.parallel.pipeline_settings import PipelineSettings, check_settings
 
     check_settings(PipelineSettings.of(args), pp=stages, per_device_batch=args.per_device_train_batch_size,
                    compiled=bool(args.torch_compile))
