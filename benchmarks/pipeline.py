@@ -90,11 +90,11 @@ def worker(cli: argparse.Namespace) -> None:
                              disable_tqdm=True, logging_steps=10**9, **pp)
     model = build_model(cli)
     trainer = Trainer(model, args, train_dataset=data)
-    busy, schedule_time, marks, state = [0.0], [0.0], [], {}
+    busy, marks, state = [0.0], [], {}
     windows: list[tuple[float, float]] = []  # each schedule step's (start, end), on the machine's monotonic clock
     pipeline = trainer.pipeline
     passes: dict[str, list[float]] = {}  # each pass's time, by "stage pass" (F, I, W, B; "loss"; "reduce")
-    if pipeline is not None:  # busy: the rank's own work; schedule: the whole schedule step (work + waiting)
+    if pipeline is not None:  # busy: the rank's own work; windows: the whole schedule step (work + waiting)
         for stage in pipeline.stages:
             names = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W", "perform_reduce_grad": "reduce"}
             for method, name in names.items():
@@ -108,7 +108,7 @@ def worker(cli: argparse.Namespace) -> None:
         schedule_object = pipeline.schedule  # the last stage's loss is its work too
         schedule_object._maybe_compute_loss = timed(schedule_object._maybe_compute_loss, busy,
                                                     passes.setdefault("loss", []))
-        step = timed(schedule_object.step, schedule_time)
+        step = schedule_object.step
 
         def windowed(*args, **kwargs):
             start = time.perf_counter()
@@ -117,12 +117,12 @@ def worker(cli: argparse.Namespace) -> None:
             finally:
                 windows.append((start, time.perf_counter()))
         schedule_object.step = windowed
-    per_step: list[tuple[float, float]] = []
+    per_step: list[float] = []  # busy[0] at each step's begin and end
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *a, **k):
             marks.append(time.perf_counter())
-            per_step.append((busy[0], schedule_time[0]))
+            per_step.append(busy[0])
 
         def on_pre_optimizer_step(self, args, trainer_state, control, model=None, optimizer=None, **k):
             if trainer_state.global_step == 1:  # the second step: AdamW's slots exist (made at the first)
@@ -131,13 +131,12 @@ def worker(cli: argparse.Namespace) -> None:
 
         def on_step_end(self, *a, **k):
             marks.append(time.perf_counter())
-            per_step.append((busy[0], schedule_time[0]))
+            per_step.append(busy[0])
 
     trainer.add_callback(Clock())
     trainer.train()
     steps = [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)][cli.warmup:]
-    spans = [(per_step[i + 1][0] - per_step[i][0], per_step[i + 1][1] - per_step[i][1])
-             for i in range(0, len(per_step), 2)][cli.warmup:]
+    busy_s = [per_step[i + 1] - per_step[i] for i in range(0, len(per_step), 2)][cli.warmup:]
     stage_params = sum(p.numel() for p in trainer.model.parameters())  # this stage's (all of it without pp)
     dp = trainer.dims.dp_shard
     mine: dict[str, Any] = {
@@ -146,11 +145,13 @@ def worker(cli: argparse.Namespace) -> None:
         "step_time_s_median": statistics.median(steps)}
     if pipeline is not None:
         stage = pipeline.split.stage
-        mine.update(windows=windows[cli.warmup:], busy_s=[b for b, _ in spans],
+        measured_windows = windows[cli.warmup:]  # one schedule step per optimizer step (no accumulation)
+        mine.update(windows=measured_windows, busy_s=busy_s,
                     pass_s_median={k: statistics.median(v) for k, v in passes.items() if v},
                     stage=stage, stages=list(pipeline.split.held),
                     layers=[[r.start, r.stop] for r in pipeline.split.layers],
-                    schedule_share_of_step=statistics.median(s / t for (_, s), t in zip(spans, steps, strict=True)),
+                    schedule_share_of_step=statistics.median((end - start) / t for (start, end), t in
+                                                             zip(measured_windows, steps, strict=True)),
                     in_flight_microbatches=in_flight(schedule, stages=2, microbatches=microbatches, stage=stage))
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
