@@ -103,10 +103,6 @@ class LossError(UserError, TypeError):
     """A model whose outputs the Trainer cannot compute a loss from; the message says what to return."""
 
 
-class HubError(UserError, RuntimeError):
-    """push_to_hub: shardtrain does not upload."""
-
-
 class DataError(UserError, ValueError):
     """A dataset the Trainer cannot train on; the message names the dataset, the sample and the fix."""
 

@@ -20,7 +20,6 @@ from shardtrain import TrainingArguments, TrainingArgumentsError
     ({"report_to": "wandbb"}, ["report_to", "wandbb", "wandb", "tensorboard", "mlflow"]),
     ({"save_strategy": "best"}, ["save_strategy", "best", "eval_strategy"]),
     ({"deepspeed": "ds.json"}, ["deepspeed", "FSDP2"]),
-    ({"push_to_hub": True}, ["push_to_hub", "huggingface_hub"]),
     ({"logging_steps": 2.5}, ["logging_steps", "2.5"]),
     ({"lr_scheduler_kwargs": "{bad"}, ["lr_scheduler_kwargs", "JSON"]),
     ({"eval_strategy": "sometimes"}, ["eval_strategy", "sometimes"]),

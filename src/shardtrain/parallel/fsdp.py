@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -240,6 +240,24 @@ def _gloo_reductions(model: nn.Module) -> None:
             module.set_custom_reduce_scatter(custom)
 
 
+def hook_mapping_outputs(module: FSDPModule) -> None:
+    """FSDP2 (torch 2.13, 2.14) finds the output tensors whose backward starts a unit's backward in tuples,
+    lists, dicts and dataclasses only: from a module returning another mapping (transformers' `BatchEncoding`, a
+    `UserDict`: sentence-transformers' CrossEncoder) it hooks nothing, so the root never reduces the gradients
+    nor reshards and the optimizer sees none. This registers FSDP's own pre-backward hook on such an output's
+    tensors, as FSDP does on a dict's. (`FSDPState._pre_backward`: private, checked on torch 2.13 and 2.14.)"""
+    from torch.distributed.fsdp._common_utils import collect_grad_tensors
+
+    state = fully_shard.state(module)
+
+    def after_forward(_: nn.Module, __: Any, output: Any) -> None:
+        if isinstance(output, Mapping) and not isinstance(output, dict) and torch.is_grad_enabled():
+            for tensor in collect_grad_tensors(dict(output)):
+                tensor.register_hook(state._pre_backward)
+
+    module.register_forward_hook(after_forward)
+
+
 def shard_stage_root(root: nn.Module, fsdp_config: FSDPConfig, mesh: DeviceMesh, *,
                      mixed_precision: str | None = None) -> None:
     """`fully_shard` a pipeline stage's module (no parameters of its own, the sharded model inside) as the stage's
@@ -319,6 +337,8 @@ def apply_fsdp(
     # The root keeps FSDP's default: it is not resharded after forward, since backward needs it at once.
     # (Passing reshard_after_forward=True here would free and all-gather the embedding again every step.)
     fully_shard(model, **common)
+    for module in fsdp_modules(model):
+        hook_mapping_outputs(module)
     if config.forward_prefetch:
         set_explicit_prefetch(model, [*units, *head[:1]])  # a head of norm + lm_head is one unit (one state)
 

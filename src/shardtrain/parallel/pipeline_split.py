@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from shardtrain.errors import PipelineError
-from shardtrain.model_facts import TIED_ACROSS_STAGES
+from shardtrain.model_facts import TIED_ACROSS_STAGES, base_model
 
 STAGE_ATTR = "_shardtrain_pipeline_stage"  # the `StageSplit` a split model carries
 
@@ -125,9 +125,6 @@ def _pipeline_plan(model: nn.Module) -> _Plan:
     return _Plan(base=base, before=names[:at], layers=lists[0], after=[(base, n) for n in names[at + 1:]] + head)
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    """A PEFT model's base model (split through it), else the model."""
-    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
 
 
 def split_model(model: nn.Module, *, held: Sequence[int], stages: int,
@@ -141,7 +138,7 @@ def split_model(model: nn.Module, *, held: Sequence[int], stages: int,
     Raises:
         PipelineError: a model without a pipeline plan, or fewer layers than stages.
     """
-    inner = _inner(model)  # a PEFT model is split through its base model; names (and the record) are the outer's
+    inner = base_model(model)  # a PEFT model is split through its base model; names (and the record) are the outer's
     plan = _pipeline_plan(inner)
     layers = getattr(plan.base, plan.layers)
     if len(layers) < stages:
@@ -185,7 +182,7 @@ def split_model(model: nn.Module, *, held: Sequence[int], stages: int,
 def active_stage(model: nn.Module, split: StageSplit, stage: int) -> Iterator[None]:
     """For the duration of a call, the forward path of `model` (which holds several stages) is stage `stage`'s
     alone: the other held stages' layers, and the norm and head unless `stage` is the last, are `Skipped`."""
-    plan = _pipeline_plan(_inner(model))
+    plan = _pipeline_plan(base_model(model))
     layers = getattr(plan.base, plan.layers)
     keep = split.layers[split.held.index(stage)]
     swapped: list[tuple[Any, Any, Any]] = []  # (owner, key, module) to put back

@@ -74,7 +74,8 @@ IMPLEMENTED_HF = frozenset({
     "label_smoothing_factor", "neftune_noise_alpha", "logging_nan_inf_filter", "enable_jit_checkpoint", "tf32",
     "torch_empty_cache_steps", "use_cache", "average_tokens_across_devices", "run_name", "project",
     "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "batch_eval_metrics", "include_for_metrics",
-    "eval_delay",
+    "eval_delay", "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+    "hub_revision",
 })
 
 

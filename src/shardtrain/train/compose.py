@@ -49,11 +49,33 @@ def on_engine(trainer_cls: type) -> type:
     arguments = {name: arguments_on_engine(value) for klass in reversed(trainer_cls.__mro__)
                  for name, value in vars(klass).items()
                  if isinstance(value, type) and issubclass(value, transformers.TrainingArguments)}
-    return type(trainer_cls.__name__, (trainer_cls, Trainer), {**arguments,
+    # sentence-transformers' trainers build their loader from their own batch samplers (`_build_dataloader`)
+    loading = {"get_train_dataloader": global_batch_loader} if hasattr(trainer_cls, "_build_dataloader") else {}
+    return type(trainer_cls.__name__, (trainer_cls, Trainer), {**arguments, **loading,
         "__module__": __name__, "__qualname__": trainer_cls.__qualname__, "__init__": __init__,
         "labels_from_inputs": False,
         "__doc__": f"{trainer_cls.__name__} on shardtrain's FSDP2 engine (shardtrain.on_engine).\n\n"
                    f"{trainer_cls.__doc__ or ''}"})
+
+
+def global_batch_loader(self: Trainer) -> Any:
+    """A sentence-transformers trainer's `get_train_dataloader` on the engine: its batch sampler (NO_DUPLICATES,
+    GROUP_BY_LABEL, round-robin over several datasets) draws each step's global batch, the per-device batch times
+    the data-parallel ranks, as it draws it on one process with that batch, and each rank takes its contiguous
+    share (Accelerate's `split_batches`). Under transformers each rank draws batches of its own size instead, so
+    a sampler that looks at the whole batch (no duplicates, one label) gives other batches on N GPUs than on one."""
+    from accelerate.data_loader import prepare_data_loader
+
+    if self.train_dataset is None:  # sentence-transformers' own message
+        raise ValueError(f"Training requires specifying a train_dataset to the {self.__class__.__name__}.")
+    ranks = self.dims.batch_size
+    loader = self._build_dataloader(self.train_dataset, self.args.train_batch_size * ranks, dataset_kind="train")
+    config = self.accelerator.dataloader_config  # Hugging Face's: seedable samplers, from accelerator_config
+    self._train_dataloader = prepare_data_loader(loader, num_processes=ranks, process_index=self.dp_rank,
+                                                 split_batches=True, even_batches=False,
+                                                 use_seedable_sampler=config.use_seedable_sampler,
+                                                 data_seed=config.data_seed)
+    return self._train_dataloader
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ meets each of Hugging Face's methods in one place. See docs/architecture.md for 
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import random
@@ -57,7 +56,6 @@ from shardtrain.config import env
 from shardtrain.config.run_spec import RunSpec
 from shardtrain.errors import (
     DataError,
-    HubError,
     TrainerOverrideError,
     TrainingArgumentsError,
     install_error_hook,
@@ -68,7 +66,7 @@ from shardtrain.parallel.runtime import Runtime
 from shardtrain.train import verify
 from shardtrain.train.args.checks import check_compute_metrics
 from shardtrain.train.args.handover import engine_arguments
-from shardtrain.train.args.hf_methods import REPLACED, owner, replaced_overrides, set_hf_attributes
+from shardtrain.train.args.hf_methods import REPLACED, label_names, owner, replaced_overrides, set_hf_attributes
 from shardtrain.train.args.preflight import (
     DatasetChecks,
     check_model_source,
@@ -95,7 +93,7 @@ from shardtrain.train.loop.replica_gate import ReplicaGate, check_replica_inputs
 from shardtrain.train.loop.resume import Resume
 from shardtrain.train.loop.run import TrainingRun, first_state, log_training_plan
 from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_trackers
-from shardtrain.train.model.export import ModelExport, save_through_override, write_model_card
+from shardtrain.train.model.export import ModelExport, save_through_override, skeleton, write_model_card
 from shardtrain.train.model.lora import adapter_files
 from shardtrain.train.model.preparation import SIDE_MODELS, ModelPreparation
 from shardtrain.train.state import TrainerCallback, TrainerControl, TrainerState, store_callback_states
@@ -270,6 +268,8 @@ class Trainer(transformers.Trainer):
         self.logger = MetricsLogger(spec.output_dir, is_main=self.is_world_process_zero())
         self.preemption = PreemptionHandler()
         set_hf_attributes(self)
+        if args.push_to_hub:  # the job's main process creates the repository, as Hugging Face's __init__
+            self.init_hf_repo()
         self.call_event("on_init_end")
         self._memory_tracker.stop_and_update_metrics()
 
@@ -281,8 +281,7 @@ class Trainer(transformers.Trainer):
         args = self.args
         # an overridden `_save` (a library's writer) is handed a whole copy of the model on rank 0, built from this
         # skeleton (the module before sharding, on the meta device) and the gathered weights
-        self._save_skeleton = copy.deepcopy(model).to("meta") \
-            if self.overrides("_save") and isinstance(model, nn.Module) else None
+        self._save_skeleton = skeleton(model) if self.overrides("_save") and isinstance(model, nn.Module) else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
         self.pipeline = self.preparation.pipeline(self.model)  # this rank's stage and schedule (pp > 1)
@@ -410,7 +409,7 @@ class Trainer(transformers.Trainer):
             if self._replica_gate is not None:
                 self._replica_gate.close()
         # An async save still in flight is committed (or its error raised on every rank) before train() returns.
-        self.checkpoint_manager.wait()
+        self._push_committed(self.checkpoint_manager.wait())
         self.logger.close()
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self.checkpoint_manager.load(self.state.best_model_checkpoint, weights_only=True)
@@ -422,6 +421,7 @@ class Trainer(transformers.Trainer):
         self.log(dict(metrics))
         self.logger.draw_report()
         self.call_event("on_train_end")
+        self._finish_current_push()  # the uploads in flight, as Hugging Face waits for them
         if (wanted := verify.request()) is not None:  # `shardtrain verify`: the figures, then the script ends here
             verify.write_dump(self, wanted)
             raise SystemExit(0)
@@ -433,8 +433,12 @@ class Trainer(transformers.Trainer):
         if not is_stream(self.train_dataset):  # a stream is checked as it is read (its samples are not indexable)
             checks.check(self.train_dataset, "train_dataset", limits, need_targets=True, again=True)
             checks.report_unused_columns(self.train_dataset, "training", type(self.model).__name__)
-        if self.eval_dataset is not None and self.args.eval_strategy != "no":
-            checks.check(self.eval_dataset, "eval_dataset", limits, need_targets=False, again=True)
+        if self.eval_dataset is not None and self.args.eval_strategy != "no":  # each set of a dict; not a stream
+            named = self.eval_dataset.items() if isinstance(self.eval_dataset, dict) else [(None, self.eval_dataset)]
+            for key, dataset in named:
+                if not is_stream(dataset):
+                    checks.check(dataset, "eval_dataset" if key is None else f"eval_dataset[{key!r}]", limits,
+                                 need_targets=False, again=True)
 
     def training_plan(self) -> tuple[TrainingData, BatchPlan | StreamPlan | LoaderPlan]:
         """The training batches' part (at the per-device batch `auto_find_batch_size` came down to) and its plan:
@@ -551,11 +555,16 @@ class Trainer(transformers.Trainer):
         over the batch (from `compute_loss`), None without labels. When it (or `compute_loss`) is overridden,
         evaluation calls it once per batch and averages the losses over samples, as Hugging Face does; otherwise
         evaluation sums token losses exactly over every rank."""
+        # Hugging Face's rule: a loss with every label present, or without labels when none are named and the
+        # model (or the library: sentence-transformers sets can_return_loss) returns one
+        has_labels = bool(self.label_names) and all(inputs.get(name) is not None for name in self.label_names)
+        return_loss = inputs.get("return_loss")
+        with_loss = has_labels or (not self.label_names and (self.can_return_loss if return_loss is None
+                                                               else return_loss))
         inputs = self._prepare_inputs(inputs)
-        has_labels = all(inputs.get(name) is not None for name in self.label_names)
         ignore = set(ignore_keys or []) | {"loss"}
         with torch.no_grad():
-            if has_labels:
+            if with_loss:
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
                 loss = loss.detach().mean()
                 if isinstance(outputs, dict):
@@ -569,7 +578,7 @@ class Trainer(transformers.Trainer):
                 loss, logits = None, self.loss_computer.logits(inputs)
         if prediction_loss_only:
             return loss, None, None
-        labels = tuple(inputs[name] for name in self.label_names) if has_labels else None
+        labels = tuple(inputs[name] for name in self.label_names) if with_loss else None  # (): none named
         return loss, logits, (labels[0] if labels is not None and len(labels) == 1 else labels)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -645,10 +654,21 @@ class Trainer(transformers.Trainer):
         `checkpoint-<step>` of the Trainer's model, optimizer, scheduler, RNG and state."""
         if not self._writes_job_files:
             return
-        save = self.checkpoint_manager.save_async if self.args.save_async else self.checkpoint_manager.save
+        manager = self.checkpoint_manager
         store_callback_states(self.state, [*self.callback_handler.callbacks, self.control])
-        save(self.state.global_step, self.state, model_only=self.args.save_only_model)  # async: waits for the last
+        if self.args.save_async:  # the previous save is committed first (save_async would wait for it too)
+            committed = manager.wait()
+            manager.save_async(self.state.global_step, self.state, model_only=self.args.save_only_model)
+        else:
+            committed = manager.save(self.state.global_step, self.state, model_only=self.args.save_only_model)
+        self._push_committed(committed)
         self.call_event("on_save")
+
+    def _push_committed(self, checkpoint: Path | None) -> None:
+        """push_to_hub: a committed checkpoint goes to Hugging Face's `_push_from_checkpoint` (main process only,
+        per `hub_strategy`); an async one when it is committed."""
+        if checkpoint is not None and self.args.push_to_hub:
+            self._push_from_checkpoint(str(checkpoint))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Record `logs` for this step in `log_history`, metrics.jsonl, the trackers and the progress bar.
@@ -778,13 +798,20 @@ class Trainer(transformers.Trainer):
         """
         if not self._writes_job_files:  # another replica group writes the job's model
             return Path(output_dir or self.args.output_dir)
+        path = self._write_model(output_dir, merge_adapters, _gather_on_rank0, _max_shard_bytes)
+        if self.args.push_to_hub and not _internal_call:  # as Hugging Face: output_dir saved again, then uploaded
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+        return path
+
+    def _write_model(self, output_dir: str | None, merge_adapters: bool, gather_on_rank0: bool,
+                     max_shard_bytes: int) -> Path:
         if self.overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
             return save_through_override(self, Path(output_dir or self.args.output_dir))
         return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
                                               processing_class=saved_processor(self.processing_class,
                                                                                self.data_collator),
                                               args_json=self.args.to_json_string(), merge_adapters=merge_adapters,
-                                              gather_on_rank0=_gather_on_rank0, max_shard_bytes=_max_shard_bytes)
+                                              gather_on_rank0=gather_on_rank0, max_shard_bytes=max_shard_bytes)
 
     def save_state(self) -> None:
         """Write `output_dir/trainer_state.json` (rank 0), as Hugging Face's `save_state`."""
@@ -796,10 +823,6 @@ class Trainer(transformers.Trainer):
         if self.is_world_process_zero():
             write_model_card(Path(self.args.output_dir), name=model_name or Path(self.args.output_dir).name,
                              model=self.model, args=self.args, state=self.state, world_size=self.world_size)
-
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
-        raise HubError("shardtrain does not upload to the Hugging Face Hub; after save_model, upload the directory "
-                       "with huggingface_hub (HfApi().upload_folder(folder_path=..., repo_id=...))")
 
     # -- Hugging Face's internals that libraries built on the Trainer read ----------------------------------
     def is_world_process_zero(self) -> bool:
@@ -836,8 +859,8 @@ class Trainer(transformers.Trainer):
         """Hugging Face's hook: the dataset columns `remove_unused_columns` keeps (the model's forward
         parameters and the label names)."""
         if self._signature_columns is None:  # as Hugging Face: with the label names
-            label_names = self.args.label_names or ["labels"]
-            self._signature_columns = sorted(forward_columns(self.model) | {"label", "label_ids", *label_names})
+            self._signature_columns = sorted(forward_columns(self.model) | {"label", "label_ids",
+                                                                            *label_names(self.model, self.args)})
 
     def get_tp_size(self) -> int:
         return self.dims.tp

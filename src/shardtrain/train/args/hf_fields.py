@@ -18,7 +18,6 @@ import transformers
 # A non-default value of these would change what is trained or evaluated; refusing beats silently differing.
 REFUSED: dict[str, str] = {
     "deepspeed": "shardtrain shards with FSDP2; drop --deepspeed and use --fsdp / fsdp_config",
-    "push_to_hub": "shardtrain does not upload; push the saved directory with huggingface_hub afterwards",
     "optim_target_modules": "only torch's elementwise optimizers are available",
 }
 

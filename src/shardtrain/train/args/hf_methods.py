@@ -19,6 +19,9 @@ import inspect
 from typing import Any
 
 import transformers
+from transformers.utils import can_return_loss, find_labels
+
+from shardtrain.model_facts import base_model
 
 HONOURED: dict[str, str] = {
     "_save": "save_model calls it on rank 0 with self.model a whole CPU copy (from the gathered weights), as "
@@ -40,6 +43,11 @@ INHERITED: dict[str, str] = {
     "get_optimizer_group": "the optimizer's groups",
     "get_num_trainable_parameters": "counts the model's parameters",
     "get_total_train_batch_size": "per-device batch x accumulation x ranks",
+    "init_hf_repo": "creates the Hub repository on the job's main process (push_to_hub), at __init__",
+    "push_to_hub": "save_model on every rank, then the job's main process uploads output_dir",
+    "_push_from_checkpoint": "after each committed checkpoint (push_to_hub): the main process uploads the model "
+                             "files it holds, and the checkpoint under hub_strategy checkpoint / all_checkpoints",
+    "_finish_current_push": "waits for the uploads in flight, at the end of train()",
     "hyperparameter_search": "Hugging Face's (optuna), each trial a train() on the engine",
     "num_examples": "len() of a loader's dataset",
     "store_flos": "adds current_flos (the engine counts total_flos per step itself)",
@@ -92,9 +100,6 @@ REPLACED: dict[str, str] = {
     "_save_scaler": "no gradient scaler (FSDP2 mixed precision)",
     "_tune_save_checkpoint": "Ray Tune is not a hyperparameter_search backend here (optuna is)",
     "_update_auto_batch_size": "the engine's auto_find_batch_size",
-    "init_hf_repo": "no uploads (push_to_hub is refused)",
-    "_push_from_checkpoint": "no uploads (push_to_hub is refused)",
-    "_finish_current_push": "no uploads (push_to_hub is refused)",
 }
 
 # Library overrides of REPLACED methods, read and found to do only what the engine already does:
@@ -104,8 +109,6 @@ AUDITED: dict[str, str] = {
         "loads the checkpoint's weights into the model, which the checkpoint manager does on resume",
     "sentence_transformers.base.trainer.BaseTrainer._load_best_model":
         "loads the best checkpoint's weights (the checkpoint manager does) and records its step on the model card",
-    "sentence_transformers.base.trainer.BaseTrainer._push_from_checkpoint":
-        "copies files before an upload, and uploads are refused",
 }
 
 
@@ -158,6 +161,12 @@ def methods_table(ours: set[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def label_names(model: Any, args: Any) -> list[str]:
+    """Hugging Face's rule: the arguments' `label_names`, else the forward's parameters named like a label (none
+    for a sentence-transformers model, whose trainer then evaluates through its `compute_loss`)."""
+    return find_labels(type(base_model(model))) if args.label_names is None else list(args.label_names)
+
+
 def set_hf_attributes(trainer: Any) -> None:
     """The attributes of a `transformers.Trainer` that its public methods, callbacks and subclasses read."""
     args = trainer.args
@@ -168,12 +177,13 @@ def set_hf_attributes(trainer: Any) -> None:
     trainer.is_fsdp_xla_v1_enabled = trainer.is_fsdp_xla_v2_enabled = False
     trainer.is_distributed_loading_by_transformers = False
     trainer.hub_model_id = None  # Hugging Face sets it in init_hf_repo (push_to_hub); TRL's model card reads it
+    trainer.push_in_progress = None  # the uploads in flight (Hugging Face's _push_from_checkpoint)
     trainer.is_model_parallel = False
     # Hugging Face's flag means "Accelerate's FSDP plugin shards the model": never here (args.fsdp_enabled says
     # whether shardtrain's FSDP2 does), so libraries do not hand their extra models to Accelerate's FSDP
     trainer.is_fsdp_enabled = False
-    trainer.label_names = list(args.label_names) if args.label_names else ["labels"]
-    trainer.can_return_loss = False
+    trainer.label_names = label_names(trainer.model, args)
+    trainer.can_return_loss = can_return_loss(type(base_model(trainer.model)))
     trainer.neftune_noise_alpha = args.neftune_noise_alpha
     trainer.current_flos = 0
     trainer._train_batch_size = args.train_batch_size

@@ -116,6 +116,31 @@ def write_model_card(out: Path, *, name: str, model: nn.Module, args: Any, state
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of `model` on the meta device (no memory), kept to rebuild the whole model on one process."""
+    return _moved(model, lambda copied: copied.to("meta"))
+
+
+def materialize(skeleton: nn.Module) -> nn.Module:
+    """A CPU copy of `skeleton` with empty tensors, for the gathered weights to be loaded into."""
+    return _moved(skeleton, lambda copied: copied.to_empty(device="cpu"))
+
+
+def _moved(model: nn.Module, move: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """A deep copy of `model` moved by `move`, its tied parameters still one parameter: a move to another device
+    makes a new parameter per module, which would leave an alias (a masked-LM decoder tied to the word
+    embeddings) apart from the weight that is loaded once."""
+    aliases: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+    moved = move(copy.deepcopy(model))
+    for first, *others in aliases.values():
+        for name in others:
+            owner_name, _, attribute = name.rpartition(".")
+            setattr(moved.get_submodule(owner_name), attribute, moved.get_parameter(first))
+    return moved
+
+
 def save_through_override(trainer: Any, output_dir: Path) -> Path:
     """A Trainer subclass's overridden `_save(output_dir)` (sentence-transformers' writer), called as Hugging Face
     calls it: on rank 0, with `trainer.model` the whole model (a CPU copy built from the gathered weights and the
@@ -131,7 +156,7 @@ def save_through_override(trainer: Any, output_dir: Path) -> Path:
     if trainer.rank == 0:
         sharded = trainer.model
         try:
-            trainer.model = copy.deepcopy(trainer._save_skeleton).to_empty(device="cpu")
+            trainer.model = materialize(trainer._save_skeleton)
             trainer.model.load_state_dict(full, strict=False)  # tied aliases: the same parameter, loaded once
             trainer._save(str(output_dir))
         except Exception as err:  # every rank raises it below
