@@ -242,7 +242,7 @@ def _gloo_reductions(model: nn.Module) -> None:
 
 def hook_mapping_outputs(module: FSDPModule) -> None:
     """FSDP2 (torch 2.13, 2.14) finds the output tensors whose backward starts a unit's backward in tuples,
-    lists, dicts and dataclasses only: from a module returning another mapping (transformers' `BatchEncoding`, a
+    lists, dicts and dataclasses only: from a root returning another mapping (transformers' `BatchEncoding`, a
     `UserDict`: sentence-transformers' CrossEncoder) it hooks nothing, so the root never reduces the gradients
     nor reshards and the optimizer sees none. This registers FSDP's own pre-backward hook on such an output's
     tensors, as FSDP does on a dict's. (`FSDPState._pre_backward`: private, checked on torch 2.13 and 2.14.)"""
@@ -337,8 +337,7 @@ def apply_fsdp(
     # The root keeps FSDP's default: it is not resharded after forward, since backward needs it at once.
     # (Passing reshard_after_forward=True here would free and all-gather the embedding again every step.)
     fully_shard(model, **common)
-    for module in fsdp_modules(model):
-        hook_mapping_outputs(module)
+    hook_mapping_outputs(model)  # (the units are layers: their outputs are tensors and tuples)
     if config.forward_prefetch:
         set_explicit_prefetch(model, [*units, *head[:1]])  # a head of norm + lm_head is one unit (one state)
 
