@@ -34,7 +34,10 @@ def test_settings_are_checked_once_with_the_key_and_the_fix():
              ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "lost": 1}, "has no key 'lost'"),
              ({"replica_group": "x", "replica_groups": 2, "lighthouse": LIGHTHOUSE}, "replica_group='x' is not an int"),
              ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "lost_batches": "drop"},
-              "lost_batches='drop' is not supported")]
+              "lost_batches='drop' is not supported"),
+             ([0, 2], r"fault_tolerance=\[0, 2\] is not a dict; give it as \{'replica_group'"),
+             ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "recovery_port": 70000},
+              "recovery_port=70000 is not a port")]
     for value, message in cases:
         with pytest.raises(TrainingArgumentsError, match=message):
             FaultTolerance.resolve(value, {})
@@ -164,3 +167,22 @@ def test_a_state_this_group_cannot_give_a_peer_stops_its_next_quorum():
         assert "could not be read (RuntimeError: no manager)" in str(transport.failure)
     finally:
         transport.shutdown()
+
+
+def test_an_unreachable_lighthouse_is_named_within_seconds():
+    import socket
+    import time
+
+    from shardtrain.parallel.replicas import probe_lighthouse
+
+    with socket.socket() as taken:  # a port nothing listens on: bound, never listening
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(OSError, match="nothing accepts connections there after 1 s"):
+            probe_lighthouse(f"http://127.0.0.1:{port}", within=1.0)
+        assert time.monotonic() - start < 4
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        probe_lighthouse(f"http://127.0.0.1:{listening.getsockname()[1]}", within=1.0)  # answers at once

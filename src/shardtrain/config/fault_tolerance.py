@@ -53,6 +53,11 @@ class FaultTolerance:
             TrainingArgumentsError: a key or value that cannot be used, named with the fix.
         """
         environ = os.environ if environ is None else environ
+        if value is not None and not isinstance(value, Mapping):
+            raise TrainingArgumentsError(f"fault_tolerance={value!r} is not a dict; give it as "
+                                         "{'replica_group': I, 'replica_groups': R, 'lighthouse': 'http://HOST:PORT'}"
+                                         " (or launch with `shardtrain launch --replica_group_id I "
+                                         "--num_replica_groups R --lighthouse http://HOST:PORT`)")
         given = dict(value or {})
         if value is None and GROUP_ENV not in environ:
             return None
@@ -88,6 +93,9 @@ class FaultTolerance:
         if not self.lighthouse.startswith(("http://", "https://")):
             raise TrainingArgumentsError(f"fault_tolerance lighthouse={self.lighthouse!r} is not an address; "
                                          "give it as http://HOST:PORT")
+        if not 0 <= self.recovery_port <= 65535:
+            raise TrainingArgumentsError(f"fault_tolerance recovery_port={self.recovery_port} is not a port; give "
+                                         "one in 1 .. 65535 (local rank r takes the port + r), or 0 for any free one")
         if min(self.timeout, self.quorum_timeout) <= 0:
             raise TrainingArgumentsError("fault_tolerance timeout and quorum_timeout must be positive seconds")
 

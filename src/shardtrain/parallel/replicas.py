@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import torch
 from torch.distributed import ReduceOp
@@ -45,6 +46,21 @@ def layout_signature(**facts: Any) -> float:
     """A number that equal layouts share (a 24-bit hash: exact when summed over a few groups)."""
     digest = hashlib.blake2b(repr(sorted(facts.items())).encode(), digest_size=3).digest()
     return float(int.from_bytes(digest, "little") + 1)
+
+
+def probe_lighthouse(address: str, within: float = 5.0) -> None:
+    """Raise OSError unless something accepts a TCP connection at the lighthouse's address within `within`
+    seconds (one started at the same time gets them): torchft's own timeouts would report it after a minute."""
+    url = urlsplit(address)
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            socket.create_connection((url.hostname, url.port or 80), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing accepts connections there after {within:g} s") from None
+            time.sleep(0.2)
 
 
 class ReplicaGroups:
@@ -82,6 +98,7 @@ class ReplicaGroups:
         transport = SafeTransport(settings.recovery_host or advertised_host(), port, timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         try:
+            probe_lighthouse(settings.lighthouse)
             manager = Manager(
                 pg=pg, load_state_dict=None, state_dict=None, min_replica_size=settings.min_replicas,
                 use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout),
