@@ -433,12 +433,8 @@ class Trainer(transformers.Trainer):
         if not is_stream(self.train_dataset):  # a stream is checked as it is read (its samples are not indexable)
             checks.check(self.train_dataset, "train_dataset", limits, need_targets=True, again=True)
             checks.report_unused_columns(self.train_dataset, "training", type(self.model).__name__)
-        if self.eval_dataset is not None and self.args.eval_strategy != "no":  # each set of a dict; not a stream
-            named = self.eval_dataset.items() if isinstance(self.eval_dataset, dict) else [(None, self.eval_dataset)]
-            for key, dataset in named:
-                if not is_stream(dataset):
-                    checks.check(dataset, "eval_dataset" if key is None else f"eval_dataset[{key!r}]", limits,
-                                 need_targets=False, again=True)
+        if self.eval_dataset is not None and self.args.eval_strategy != "no":
+            checks.check_eval_sets(self.eval_dataset, limits)
 
     def training_plan(self) -> tuple[TrainingData, BatchPlan | StreamPlan | LoaderPlan]:
         """The training batches' part (at the per-device batch `auto_find_batch_size` came down to) and its plan:
@@ -796,22 +792,19 @@ class Trainer(transformers.Trainer):
         is written by every rank, none holding it whole; adapters, merged adapters, XLA and non-float states are
         gathered on rank 0 (`_gather_on_rank0` forces that path: the benchmark compares the two).
         """
+        out = Path(output_dir or self.args.output_dir)
         if not self._writes_job_files:  # another replica group writes the job's model
-            return Path(output_dir or self.args.output_dir)
-        path = self._write_model(output_dir, merge_adapters, _gather_on_rank0, _max_shard_bytes)
+            return out
+        if self.overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
+            path = save_through_override(self, out)
+        else:
+            path = ModelExport(self.backend).save(
+                self.model, out, processing_class=saved_processor(self.processing_class, self.data_collator),
+                args_json=self.args.to_json_string(), merge_adapters=merge_adapters, gather_on_rank0=_gather_on_rank0,
+                max_shard_bytes=_max_shard_bytes)
         if self.args.push_to_hub and not _internal_call:  # as Hugging Face: output_dir saved again, then uploaded
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return path
-
-    def _write_model(self, output_dir: str | None, merge_adapters: bool, gather_on_rank0: bool,
-                     max_shard_bytes: int) -> Path:
-        if self.overrides("_save"):  # a library's own writer (sentence-transformers'), as Hugging Face calls it
-            return save_through_override(self, Path(output_dir or self.args.output_dir))
-        return ModelExport(self.backend).save(self.model, Path(output_dir or self.args.output_dir),
-                                              processing_class=saved_processor(self.processing_class,
-                                                                               self.data_collator),
-                                              args_json=self.args.to_json_string(), merge_adapters=merge_adapters,
-                                              gather_on_rank0=gather_on_rank0, max_shard_bytes=max_shard_bytes)
 
     def save_state(self) -> None:
         """Write `output_dir/trainer_state.json` (rank 0), as Hugging Face's `save_state`."""

@@ -16,6 +16,7 @@ from shardtrain.errors import CheckpointError, DataError, OutputDirError, Traini
 from shardtrain.parallel.collectives import agree
 from shardtrain.parallel.runtime import Runtime
 from shardtrain.train.args.trackers import tracker_problem
+from shardtrain.train.data.streaming import is_stream
 from shardtrain.train.data.validation import ModelLimits, validate_dataset, writable_problem
 
 
@@ -150,6 +151,15 @@ class DatasetChecks:
         if dataset is None:
             raise DataError("evaluate()/predict() needs a dataset; pass Trainer(..., eval_dataset=...) or a dataset")
         self.check(dataset, name, limits, need_targets=False)
+
+    def check_eval_sets(self, eval_dataset: Any, limits: ModelLimits) -> None:
+        """`check` for the evaluation set(s) train() evaluates: each of a dict, none that is a stream (its samples
+        are not indexable: it is read as it comes, as transformers accepts it)."""
+        named = eval_dataset.items() if isinstance(eval_dataset, dict) else [(None, eval_dataset)]
+        for key, dataset in named:
+            if not is_stream(dataset):
+                self.check(dataset, "eval_dataset" if key is None else f"eval_dataset[{key!r}]", limits,
+                           need_targets=False, again=True)
 
     def report_unused_columns(self, dataset: Any, which: str, model_name: str) -> None:
         """Say which columns `remove_unused_columns` drops. Rank 0 only, so it must never raise (a peer would wait
