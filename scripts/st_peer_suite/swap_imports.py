@@ -23,30 +23,20 @@ samplers, evaluators, mock targets stay sentence-transformers'.
 from __future__ import annotations
 
 import ast
-import importlib
-import re
-import shutil
 import sys
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peer_imports import copy_rewritten, rewrite  # noqa: E402
 
 SWAPPED = {f"{k}{s}" for k in ("SentenceTransformer", "CrossEncoder", "SparseEncoder", "MultiVectorEncoder")
            for s in ("Trainer", "TrainingArguments")}
 SHARDTRAIN = "shardtrain.sentence_transformers"
 
 
-def missing(module: str, name: str) -> bool:
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return True
-    if hasattr(mod, name):
-        return False
-    try:
-        importlib.import_module(f"{module}.{name}")
-        return False
-    except ImportError:
-        return True
+def swapped(node: ast.ImportFrom) -> list[ast.alias]:
+    return [a for a in node.names if a.name in SWAPPED and a.asname is None]
 
 
 def swap_line(ind: str, names: list[str]) -> str:
@@ -56,55 +46,11 @@ def swap_line(ind: str, names: list[str]) -> str:
             f"for _n in ({quoted}))  # peer_st swap\n")
 
 
-def rewrite(text: str, swap: bool) -> tuple[str, list[str]]:
-    lines = text.splitlines(keepends=True)
-    edits: list[tuple[int, int, str]] = []  # (first line, last line) replaced by text, 1-based inclusive
-    notes = []
-    for node in ast.walk(ast.parse(text)):
-        if not (isinstance(node, ast.ImportFrom) and node.level == 0
-                and (node.module or "").split(".")[0] == "sentence_transformers"):
-            continue
-        ind = " " * node.col_offset
-        absent = [a for a in node.names if a.name != "*" and missing(node.module, a.name)]
-        swapped = sorted(a.name for a in node.names if swap and a.name in SWAPPED and a.asname is None
-                         and a not in absent)
-        if not absent and not swapped:
-            continue
-        new = "".join(lines[node.lineno - 1 : node.end_lineno])  # kept verbatim when nothing is absent
-        if absent:
-            kept = [a for a in node.names if a not in absent]
-            new = ""
-            if kept:
-                names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in kept)
-                new += f"{ind}from {node.module} import {names}\n"
-            for a in absent:
-                bound = a.asname or a.name
-                m = re.fullmatch(r"is_(\w+)_available", a.name)
-                found = f'__import__("importlib.util").util.find_spec("{m.group(1)}") is not None' if m else None
-                value = f"lambda: {found}" if found else "None"
-                new += f"{ind}{bound} = {value}  # peer_st: {node.module}.{a.name} absent from the installed package\n"
-                notes.append(f"line {node.lineno}: {node.module}.{a.name} absent -> {value.split(':')[0]}")
-        if swapped:
-            new += swap_line(ind, swapped)
-            notes.append(f"line {node.end_lineno}: {', '.join(swapped)} <- {SHARDTRAIN}")
-        edits.append((node.lineno, node.end_lineno, new))
-    for first, last, new in sorted(edits, reverse=True):
-        lines[first - 1 : last] = [new]
-    return "".join(lines), notes
-
-
 def main(src: str, dst: str, *flags: str) -> None:
     warnings.simplefilter("ignore")  # the deprecated import paths the tests use (sentence_transformers.models, ...)
-    src_p, dst_p = Path(src), Path(dst)
-    if dst_p.exists():
-        shutil.rmtree(dst_p)
-    shutil.copytree(src_p, dst_p, symlinks=True)
-    for path in sorted(dst_p.rglob("*.py")):
-        new, notes = rewrite(path.read_text(), "--shardtrain" in flags)
-        if notes:
-            path.write_text(new)
-            for n in notes:
-                print(f"{path.relative_to(dst_p)}: {n}")
+    swap = swapped if "--shardtrain" in flags else None
+    copy_rewritten(src, dst, lambda text: rewrite(text, package="sentence_transformers", marker="peer_st",
+                                                  swap=swap, swap_line=swap_line))
 
 
 if __name__ == "__main__":

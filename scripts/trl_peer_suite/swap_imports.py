@@ -14,74 +14,27 @@ scope. Nothing else changes: collators, utils, mock.patch targets ("trl.trainer.
 from __future__ import annotations
 
 import ast
-import importlib
-import re
-import shutil
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peer_imports import copy_rewritten, rewrite  # noqa: E402
 
 SWAPPED = {f"{k}{s}" for k in ("SFT", "DPO", "GRPO", "RLOO", "KTO", "Reward") for s in ("Trainer", "Config")}
 
 
-def missing(module: str, name: str) -> bool:
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return True
-    if hasattr(mod, name):
-        return False
-    try:
-        importlib.import_module(f"{module}.{name}")
-        return False
-    except ImportError:
-        return True
+def swapped(node: ast.ImportFrom) -> list[ast.alias]:
+    return [a for a in node.names if node.module == "trl" and a.name in SWAPPED and a.asname is None]
 
 
-def rewrite(text: str, swap: bool) -> tuple[str, list[str]]:
-    lines = text.splitlines(keepends=True)
-    edits: list[tuple[int, int, str]] = []  # (first line, last line) replaced by text, 1-based inclusive
-    notes = []
-    for node in ast.walk(ast.parse(text)):
-        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "trl"):
-            continue
-        ind = " " * node.col_offset
-        absent = [a for a in node.names if a.name != "*" and missing(node.module, a.name)]
-        swapped = sorted(a.name for a in node.names if swap and node.module == "trl" and a.name in SWAPPED
-                         and a.asname is None and a not in absent)
-        if not absent and not swapped:
-            continue
-        kept = [a for a in node.names if a not in absent]
-        new = ""
-        if kept:
-            names = ", ".join(a.name + (f" as {a.asname}" if a.asname else "") for a in kept)
-            new += f"{ind}from {node.module} import {names}\n"
-        for a in absent:
-            bound = a.asname or a.name
-            m = re.fullmatch(r"is_(\w+)_available", a.name)
-            found = f'__import__("importlib.util").util.find_spec("{m.group(1)}") is not None' if m else None
-            value = f"lambda: {found}" if found else "None"
-            new += f"{ind}{bound} = {value}  # peer_trl: {node.module}.{a.name} absent from the installed trl\n"
-            notes.append(f"line {node.lineno}: {node.module}.{a.name} absent -> {value.split(':')[0]}")
-        if swapped:
-            new += f"{ind}from shardtrain.trl import {', '.join(swapped)}  # peer_trl swap\n"
-            notes.append(f"line {node.end_lineno}: from shardtrain.trl import {', '.join(swapped)}")
-        edits.append((node.lineno, node.end_lineno, new))
-    for first, last, new in sorted(edits, reverse=True):
-        lines[first - 1 : last] = [new]
-    return "".join(lines), notes
+def swap_line(ind: str, names: list[str]) -> str:
+    return f"{ind}from shardtrain.trl import {', '.join(names)}  # peer_trl swap\n"
 
 
 def main(src: str, dst: str, *flags: str) -> None:
-    src_p, dst_p = Path(src), Path(dst)
-    if dst_p.exists():
-        shutil.rmtree(dst_p)
-    shutil.copytree(src_p, dst_p, symlinks=True)
-    for path in sorted(dst_p.rglob("*.py")):
-        new, notes = rewrite(path.read_text(), "--shardtrain" in flags)
-        if notes:
-            path.write_text(new)
-            for n in notes:
-                print(f"{path.relative_to(dst_p)}: {n}")
+    swap = swapped if "--shardtrain" in flags else None
+    copy_rewritten(src, dst, lambda text: rewrite(text, package="trl", marker="peer_trl", swap=swap,
+                                                  swap_line=swap_line))
 
 
 if __name__ == "__main__":
