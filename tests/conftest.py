@@ -47,6 +47,7 @@ SLOWEST_FIRST = (
     "cli/test_readme.py",  # 119
     "cli/test_signals_and_timeouts.py",  # 108, mostly waiting
     "distributed/test_expert_parallel.py",  # 100
+    "distributed/test_sentence_transformers.py",  # ~100: five trainer runs, sentence-transformers' and ours on 2 ranks
     "distributed/test_clean_exit.py",  # 90
     "distributed/test_bad_inputs.py",  # 82
     "cli/test_launch_parallelism.py",  # 81
