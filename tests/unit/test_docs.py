@@ -55,3 +55,28 @@ def test_readme_fits_on_a_screen_or_two_and_links_to_pages_that_exist():
     assert len(links) >= 10
     for link in links:
         assert (REPO / link).is_file(), link
+
+
+def _help(*command: str) -> str:
+    import argparse
+
+    from shardtrain.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command[0]]
+    return sub.format_help()
+
+
+def test_help_texts_name_every_choice_the_code_has():
+    from shardtrain.parallel.pipeline_settings import SCHEDULES
+
+    plan = " ".join(_help("plan").split())  # argparse wraps lines
+    for schedule in SCHEDULES:
+        assert re.search(rf"\b{schedule}\b", plan), f"`shardtrain plan --help` leaves out the {schedule} schedule"
+    lighthouse = _help("lighthouse")
+    assert "quorum" in lighthouse and "example:" in lighthouse and "--lighthouse http://" in lighthouse
+    launch = _help("launch")
+    flags = set(re.findall(r"--(parallelism_config_\w+?)_size", launch))
+    page = (DOCS / "command-line.md").read_text()
+    named = set(re.findall(r"--parallelism_config_\{([\w,]+)\}_size", page)[0].split(","))
+    assert {f.removeprefix("parallelism_config_") for f in flags} == named, "command-line.md's parallelism flags"

@@ -44,8 +44,15 @@ def run_lighthouse(args: argparse.Namespace) -> int:
 
 def add_lighthouse_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `lighthouse`."""
-    p = subparsers.add_parser("lighthouse", help="run torchft's lighthouse for replica groups (fault_tolerance)",
-                              allow_abbrev=False)
+    p = subparsers.add_parser(
+        "lighthouse", help="run torchft's lighthouse for replica groups (fault_tolerance)", allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run torchft's lighthouse: the server every replica group asks for a quorum before each step.\n"
+                    "Start it once per job, before or with the groups, on a host they all reach.",
+        epilog="example:\n"
+               "  shardtrain lighthouse --port 29510 --min_replicas 1 &\n"
+               "  shardtrain launch --num_processes 8 --replica_group_id 0 --num_replica_groups 2 \\\n"
+               "      --lighthouse http://LIGHTHOUSE_HOST:29510 train.py     # and group 1 on another machine")
     p.add_argument("--port", type=int, default=29510, help="the port to serve on (default 29510)")
     p.add_argument("--min_replicas", type=int, default=1, help="the fewest groups that form a quorum (default 1)")
     p.add_argument("--join_timeout_ms", type=int, default=60000,

@@ -18,6 +18,7 @@ import json
 import sys
 
 from shardtrain.errors import UserError
+from shardtrain.parallel.pipeline_settings import SCHEDULES
 
 
 def _on_off(value: str) -> bool:
@@ -74,7 +75,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models; the token exchange "
                       "assumes uniform routing)")
     plan.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (the model's own pp plan)")
-    plan.add_argument("--pp-schedule", default="1F1B", help="pipeline schedule: 1F1B or GPipe")
+    plan.add_argument("--pp-schedule", default="1F1B", metavar="SCHEDULE",
+                      help=f"pipeline schedule, one of torch's: {', '.join(SCHEDULES)} (default 1F1B)")
     plan.add_argument("--pp-microbatches", type=int, help="pipeline microbatches (default: pp)")
     plan.add_argument("--batch", type=int, default=1, help="per-device batch (samples)")
     plan.add_argument("--seq-len", type=int, default=2048, help="sequence length in tokens")
@@ -85,7 +87,10 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                       "alone), selective, or false / none")
     _bool_flag(plan, "cpu-offload", "override fsdp_config cpu_offload")
     _bool_flag(plan, "reshard-after-forward", "override fsdp_config reshard_after_forward")
-    plan.add_argument("--optimizer", default="adamw_torch_fused", help="adamw_torch_fused (default) or adamw_torch")
+    plan.add_argument("--optimizer", default="adamw_torch_fused",
+                      help="the optimizer the planner models: adamw_torch_fused (default) or adamw_torch; the Trainer "
+                      "also runs sgd, adagrad and rmsprop, whose state is at most AdamW's (plan them as adamw_torch "
+                      "for a bound)")
     plan.add_argument("--lora-rank", type=int, default=0, help="LoRA rank: adapters on every linear but the head")
     plan.add_argument("--loss-chunk-size", metavar="TOKENS|auto",
                       help="as TrainingArguments.loss_chunk_size: LM head + cross entropy that many tokens at a time")
