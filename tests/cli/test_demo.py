@@ -38,7 +38,7 @@ def test_demo_trains_and_saves(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert "summary" in proc.stdout
-    assert summary["ranks"] == 2 and summary["steps"] == 150
+    assert summary["ranks"] == 2 and summary["steps"] == 150 and summary["seed"] == 0
     assert summary["final_train_loss"] < summary["first_train_loss"]
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     assert summary["eval_token_accuracy_after"] > summary["eval_token_accuracy_before"]
