@@ -121,9 +121,9 @@ def skeleton(model: nn.Module) -> nn.Module:
     return _moved(model, lambda copied: copied.to("meta"))
 
 
-def materialize(skeleton: nn.Module) -> nn.Module:
-    """A CPU copy of `skeleton` with empty tensors, for the gathered weights to be loaded into."""
-    return _moved(skeleton, lambda copied: copied.to_empty(device="cpu"))
+def materialize(meta_model: nn.Module) -> nn.Module:
+    """A CPU copy of `meta_model` (a `skeleton`) with empty tensors, for the gathered weights to be loaded into."""
+    return _moved(meta_model, lambda copied: copied.to_empty(device="cpu"))
 
 
 def _moved(model: nn.Module, move: Callable[[nn.Module], nn.Module]) -> nn.Module:
