@@ -41,9 +41,11 @@ def pytest_sessionfinish(session, exitstatus):
 # worker is left with a long one at the end (seconds: one worker, this 2-core machine, fresh clone).
 SLOWEST_FIRST = (
     "cli/test_restart_resume.py",  # 420 (15 launches that restart)
+    "distributed/test_replica_chaos.py",  # ~210: the seeded chaos run, 17 group starts
     "xla/test_xla_path.py",  # 234, one process at a time
     "cli/test_verify.py",  # 149
-    "distributed/test_replica_groups.py",  # ~190: five runs of two replica groups and their lighthouse
+    "distributed/test_replica_groups.py",  # ~150: five runs of two replica groups and their lighthouse
+    "distributed/test_replica_lifecycle.py",  # ~65: a late restart, a record without checkpoint, a killed launcher
     "cli/test_readme.py",  # 119
     "cli/test_signals_and_timeouts.py",  # 108, mostly waiting
     "distributed/test_expert_parallel.py",  # 100

@@ -8,109 +8,25 @@ bitwise equal and equal to one process replaying the committed record.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from launch import worker_env
-
-WORKERS = Path(__file__).parent / "workers"
-TIE = "llama_tied"
-
-
-def start_lighthouse(min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
-    """`shardtrain lighthouse` on a free port; (process, address)."""
-    proc = subprocess.Popen([sys.executable, "-m", "shardtrain.cli.main", "lighthouse", "--port", "0",
-                             "--min_replicas", str(min_replicas), "--heartbeat_timeout_ms", "1500"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=worker_env())
-    line = proc.stdout.readline()
-    port = re.search(r":(\d+) ", line)
-    assert port, f"the lighthouse said {line!r}"
-    return proc, f"http://127.0.0.1:{port.group(1)}"
-
-
-def start_group(out: Path, group: int, lighthouse: str, nproc: int = 1, min_replicas: int = 1,
-                **job) -> subprocess.Popen:
-    """Replica group `group` as its own torchrun job (its own session: a kill takes all its processes)."""
-    ft = {"replica_group": group, "replica_groups": 2, "lighthouse": lighthouse, "recovery_host": "127.0.0.1",
-          "timeout": job.pop("timeout", 15), "quorum_timeout": job.pop("quorum_timeout", 60),
-          "min_replicas": min_replicas, "lost_batches": job.pop("lost_batches", "skip")}
-    job = {"out": str(out), "model": TIE, "per_device_train_batch_size": 4 // nproc, "fault_tolerance": ft, **job}
-    log = open(out.parent / f"{out.name}-group{group}.log", "a")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                             str(WORKERS / "replica_run.py"), json.dumps(job)], stdout=log, stderr=subprocess.STDOUT,
-                            env=worker_env(), start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, out: Path, group: int, timeout: float = 240) -> None:
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        code = "timeout"
-    log = (out.parent / f"{out.name}-group{group}.log").read_text()
-    assert code == 0, f"group {group} ended with {code}:\n{log[-6000:]}"
-
-
-def record(out: Path) -> list[dict]:
-    path = out / "committed_batches.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
-def wait_for(predicate, what: str, timeout: float = 120, running: tuple = ()) -> None:
-    """Poll `predicate`; fail at `timeout`, or as soon as one of the `running` processes has ended."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        ended = [proc.args[-1][:200] for proc in running if proc.poll() is not None]
-        assert not ended, f"waiting for {what}, a group ended: {ended}"
-        time.sleep(0.1)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every process under it (torchrun starts its workers in sessions of their own)."""
-    import psutil
-
-    parent = psutil.Process(pid)
-    for proc in [*parent.children(recursive=True), parent]:
-        proc.send_signal(signal.SIGKILL)
-
-
-def one_process(tmp: Path, ranks: int = 1, **job) -> dict:
-    """The reference: train_run.py on one process (or `ranks` without torchft), the same global batch (8 samples
-    per step)."""
-    from launch import torchrun
-
-    out = tmp / f"reference{ranks}"
-    torchrun(WORKERS / "train_run.py", ranks, json.dumps([{"out": str(out), "model": TIE, "weights": True,
-                                                           "per_device_train_batch_size": 8 // ranks, **job}]),
-             timeout=300)
-    return json.loads((out / "result.json").read_text()) | {"weights": torch.load(out / "weights.pt")}
-
-
-def assert_close(a: dict, b: dict, tol: float) -> None:
-    assert a.keys() == b.keys()
-    worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-    assert worst <= tol, worst
-
-
-def run_groups(out: Path, nproc: int = 1, **job) -> None:
-    """Both groups from the start to the end (min_replicas 2: every step is both groups')."""
-    lighthouse, address = start_lighthouse(min_replicas=2)
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        groups = [start_group(out, g, address, nproc=nproc, min_replicas=2, **job) for g in (0, 1)]
-        for g, proc in enumerate(groups):
-            finish(proc, out, g)
-    finally:
-        lighthouse.terminate()
-        lighthouse.wait(timeout=30)
+from replica_jobs import (
+    assert_close,
+    finish,
+    kill_tree,
+    log_path,
+    one_process,
+    record,
+    replay,
+    run_groups,
+    start_group,
+    start_lighthouse,
+    stop,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -156,12 +72,8 @@ def test_a_killed_group_heals_from_its_peer_and_the_run_equals_its_record(tmp_pa
     job = {"max_steps": steps, "step_sleep": 0.1, "lost_batches": "refeed"}
     try:
         hold = out / "hold"
-        hold.touch()  # group 0 waits after its first step until group 1 has joined (a loaded machine starts it late,
-        # and group 0 alone could otherwise train every step before it)
-        first = start_group(out, 0, address, hold=str(hold), **job)
+        first = start_group(out, 0, address, hold=str(hold), **job)  # started together: step 1 waits for both
         second = start_group(out, 1, address, **job)
-        wait_for((out / "group1.started").exists, "group 1 to start", timeout=180, running=(first, second))
-        hold.unlink()
         both = lambda: [line for line in record(out) if line["groups"] == [0, 1]]  # noqa: E731
         wait_for(lambda: len(both()) >= 3, "3 steps of both groups", running=(first, second))
         kill_tree(second.pid)  # torchrun and its worker: the whole group dies at once
@@ -177,13 +89,13 @@ def test_a_killed_group_heals_from_its_peer_and_the_run_equals_its_record(tmp_pa
         finish(first, out, 0)
         finish(second, out, 1)
     finally:
-        lighthouse.terminate()
-        lighthouse.wait(timeout=30)
+        stop(lighthouse)
     lines = record(out)
     assert [line["step"] for line in lines] == list(range(1, steps + 1))  # every step committed once, in order
     alone = [line["step"] for line in lines if line["groups"] == [0]]
     rejoined = [line["step"] for line in lines if line["groups"] == [0, 1] and line["step"] > max(alone)]
     assert alone and rejoined, lines  # group 0 went on alone; group 1 came back and trained again
+    assert all(line["groups"] == [0, 1] for line in lines[:3])  # started together: every step together
     # every share of every step trained once: the lost ones re-fed by later steps, nothing left waiting
     trained = [(line["epoch"], line["data_step"], g) for line in lines for g in line["groups"]]
     trained += [tuple(slot) for line in lines for slot in line.get("refed", [])]
@@ -199,17 +111,21 @@ def test_a_killed_group_heals_from_its_peer_and_the_run_equals_its_record(tmp_pa
     assert all(results[0]["hashes"][k] == v for k, v in results[1]["hashes"].items()), healed
     weights = [torch.load(out / f"group{g}" / "weights.pt") for g in (0, 1)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    from launch import torchrun
-
-    replay = tmp_path / "replay"
-    job = {"out": str(replay), "record": str(out / "committed_batches.jsonl"), "max_steps": steps}
-    torchrun(WORKERS / "replica_replay.py", 1, json.dumps(job), timeout=300)
-    replayed = {step: loss for step, loss in json.loads((replay / "result.json").read_text())["steps"]}
-    logged = {step: loss for step, loss, _ in results[0]["steps"]}  # (the first steps may be group 1's alone:
-    assert sorted(replayed) == list(range(1, steps + 1)) and set(alone) <= set(logged)  # whoever starts first)
+    replayed = replay(out / "committed_batches.jsonl", tmp_path / "replay", steps)
+    logged = {step: loss for step, loss, _ in results[0]["steps"]}
+    assert sorted(replayed["losses"]) == sorted(logged) == list(range(1, steps + 1))
     # each step group 0 trained, during the outage too, is the one-process step of the samples the record names
-    assert [logged[s] for s in sorted(logged)] == pytest.approx([replayed[s] for s in sorted(logged)], abs=1e-5)
-    assert_close(weights[0], torch.load(replay / "weights.pt"), 1e-5)
+    assert [logged[s] for s in sorted(logged)] == pytest.approx([replayed["losses"][s] for s in sorted(logged)],
+                                                                abs=1e-5)
+    assert_close(weights[0], replayed["weights"], 1e-5)
+    # the survivor says what happened, in lines of ours; torchft's INFO lines and NCCL's are off on a gloo run
+    survivor = log_path(out, 0).read_text()
+    left, back = min(alone), min(rejoined)
+    assert "replica groups: step 1 trains with groups [0, 1] (2 of 2)" in survivor, survivor[-3000:]
+    assert f"replica groups: step {left}: group 1 left (2 -> 1 groups); its share of each step is re-fed" in survivor
+    assert re.search(rf"replica groups: step {back}: group 1 rejoined \(1 -> 2 groups\); healed from a peer in "
+                     r"\d+\.\d\ds", survivor), survivor[-3000:]
+    assert "[INFO]" not in survivor and "flight recorder" not in survivor, survivor[:3000]
 
 
 def test_a_group_with_another_layout_or_no_lighthouse_stops_with_one_line(tmp_path):
@@ -222,8 +138,7 @@ def test_a_group_with_another_layout_or_no_lighthouse_stops_with_one_line(tmp_pa
         nowhere = start_group(alone, 0, "http://127.0.0.1:9", max_steps=4, quorum_timeout=3, timeout=3)
         codes = [proc.wait(timeout=120) for proc in [*groups, nowhere]]
     finally:
-        lighthouse.terminate()
-        lighthouse.wait(timeout=30)
+        stop(lighthouse)
     assert all(code != 0 for code in codes)
     for g in (0, 1):
         log = (tmp_path / f"run-group{g}.log").read_text()
@@ -261,13 +176,12 @@ def test_a_whole_job_restart_after_the_lighthouse_dies_resumes_bit_identically(t
     assert (out / "checkpoint-3").is_dir()
     lighthouse, address = start_lighthouse(min_replicas=2)  # the job restarts: a new lighthouse, every group
     try:
-        groups = [start_group(out, g, address, min_replicas=2, resume="auto", max_steps=6, save_strategy="steps",
-                              save_steps=3) for g in (0, 1)]
+        groups = [start_group(out, g, address, min_replicas=2, max_steps=6, save_strategy="steps", save_steps=3)
+                  for g in (0, 1)]  # (no resume argument: a group resumes from the job's newest checkpoint)
         for g, proc in enumerate(groups):
             finish(proc, out, g)
     finally:
-        lighthouse.terminate()
-        lighthouse.wait(timeout=30)
+        stop(lighthouse)
     assert [line["step"] for line in record(out)] == list(range(1, 7))  # steps after checkpoint-3: once each
     expected = torch.load(uninterrupted / "group0" / "weights.pt")
     for g in (0, 1):

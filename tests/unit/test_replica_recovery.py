@@ -27,6 +27,10 @@ def test_settings_are_checked_once_with_the_key_and_the_fix():
     launched = FaultTolerance.resolve(None, {"SHARDTRAIN_REPLICA_GROUP": "0", "SHARDTRAIN_REPLICA_GROUPS": "2",
                                              "TORCHFT_LIGHTHOUSE": LIGHTHOUSE})
     assert (launched.replica_group, launched.replica_groups, launched.lighthouse) == (0, 2, LIGHTHOUSE)
+    assert (ft.start_timeout, ft.torchft_log) == (300.0, "warn")  # the documented defaults
+    verbose = FaultTolerance.resolve({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE},
+                                     {"SHARDTRAIN_TORCHFT_LOG": "info"})
+    assert verbose.torchft_log == "info"
     cases = [({"replica_groups": 2, "lighthouse": LIGHTHOUSE}, "needs 'replica_group'"),
              ({"replica_group": 2, "replica_groups": 2, "lighthouse": LIGHTHOUSE}, "replica_group=2 is not one of"),
              ({"replica_group": 0, "replica_groups": 2, "lighthouse": "host:1"}, "give it as http://HOST:PORT"),
@@ -37,7 +41,11 @@ def test_settings_are_checked_once_with_the_key_and_the_fix():
               "lost_batches='drop' is not supported"),
              ([0, 2], r"fault_tolerance=\[0, 2\] is not a dict; give it as \{'replica_group'"),
              ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "recovery_port": 70000},
-              "recovery_port=70000 is not a port")]
+              "recovery_port=70000 is not a port"),
+             ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "start_timeout": -1},
+              "start_timeout=-1: it must be >= 0"),
+             ({"replica_group": 0, "replica_groups": 2, "lighthouse": LIGHTHOUSE, "torchft_log": "loud"},
+              r"torchft_log='loud' is not a level; use one of \['error', 'warn', 'info', 'debug'\]")]
     for value, message in cases:
         with pytest.raises(TrainingArgumentsError, match=message):
             FaultTolerance.resolve(value, {})

@@ -9,14 +9,20 @@ It runs until stopped (Ctrl-C or SIGTERM: exit 0). The job's groups find it at t
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+
+from shardtrain.config.fault_tolerance import TORCHFT_LOG_ENV
 
 
 def run_lighthouse(args: argparse.Namespace) -> int:
     """Entry of `shardtrain lighthouse`: serve quorums until a signal."""
     try:
+        from shardtrain.parallel.replicas import quiet_torchft
+
+        quiet_torchft(os.environ.get(TORCHFT_LOG_ENV) or "warn")  # its INFO is a line per quorum request
         from torchft._torchft import LighthouseServer
     except ImportError:
         print("error: the lighthouse is torchft's; install it with pip install 'shardtrain[ft]' (torchft)",

@@ -17,6 +17,9 @@ from shardtrain.errors import TrainingArgumentsError
 
 # the launcher's variables (`shardtrain launch --replica_group_id I --num_replica_groups R --lighthouse ADDR`)
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "SHARDTRAIN_REPLICA_GROUP", "SHARDTRAIN_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
+# torchft's own log (its Rust core's and Python's): "warn" by default (INFO is four lines a step); info | debug
+TORCHFT_LOG_ENV = "SHARDTRAIN_TORCHFT_LOG"
+TORCHFT_LOG_LEVELS = ("error", "warn", "info", "debug")
 LOST_BATCHES = ("skip", "refeed")
 KEYS = {"replica_group": "this group's id, 0 .. replica_groups - 1",
         "replica_groups": "how many groups the job has (its global batch is theirs together)",
@@ -24,9 +27,12 @@ KEYS = {"replica_group": "this group's id, 0 .. replica_groups - 1",
         "min_replicas": "the fewest groups that may commit a step (default 1)",
         "timeout": "seconds a collective across the groups or a recovery may take (default 60)",
         "quorum_timeout": "seconds to wait for a quorum of min_replicas groups (default 60)",
+        "start_timeout": "seconds the job's first step waits for all replica_groups before min_replicas applies "
+                         "(default 300)",
         "recovery_host": "the address this group's recovery server binds and advertises (default: the hostname)",
         "recovery_port": "the first port of this group's recovery servers, one per rank (default 0: any free)",
-        "lost_batches": "a dead group's share of a step: skip it (as torchft) or refeed it to a later step"}
+        "lost_batches": "a dead group's share of a step: skip it (as torchft) or refeed it to a later step",
+        "torchft_log": f"torchft's own log level, one of {TORCHFT_LOG_LEVELS} (default warn; or {TORCHFT_LOG_ENV})"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,9 +45,11 @@ class FaultTolerance:
     min_replicas: int = 1
     timeout: float = 60.0
     quorum_timeout: float = 60.0
+    start_timeout: float = 300.0
     recovery_host: str = ""
     recovery_port: int = 0
     lost_batches: str = "skip"
+    torchft_log: str = "warn"
 
     @classmethod
     def resolve(cls, value: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
@@ -66,7 +74,7 @@ class FaultTolerance:
             raise TrainingArgumentsError(f"fault_tolerance has no key {unknown[0]!r}; its keys are "
                                          f"{', '.join(KEYS)}")
         for key, name in (("replica_group", GROUP_ENV), ("replica_groups", GROUPS_ENV),
-                          ("lighthouse", LIGHTHOUSE_ENV)):
+                          ("lighthouse", LIGHTHOUSE_ENV), ("torchft_log", TORCHFT_LOG_ENV)):
             if key not in given and environ.get(name):
                 given[key] = environ[name]
         for key in ("replica_group", "replica_groups", "lighthouse"):
@@ -90,6 +98,9 @@ class FaultTolerance:
         if self.lost_batches not in LOST_BATCHES:
             raise TrainingArgumentsError(f"fault_tolerance lost_batches={self.lost_batches!r} is not supported; "
                                          f"use one of {list(LOST_BATCHES)}")
+        if self.torchft_log not in TORCHFT_LOG_LEVELS:
+            raise TrainingArgumentsError(f"fault_tolerance torchft_log={self.torchft_log!r} is not a level; use one "
+                                         f"of {list(TORCHFT_LOG_LEVELS)} (or unset {TORCHFT_LOG_ENV})")
         if not self.lighthouse.startswith(("http://", "https://")):
             raise TrainingArgumentsError(f"fault_tolerance lighthouse={self.lighthouse!r} is not an address; "
                                          "give it as http://HOST:PORT")
@@ -98,6 +109,9 @@ class FaultTolerance:
                                          "one in 1 .. 65535 (local rank r takes the port + r), or 0 for any free one")
         if min(self.timeout, self.quorum_timeout) <= 0:
             raise TrainingArgumentsError("fault_tolerance timeout and quorum_timeout must be positive seconds")
+        if self.start_timeout < 0:
+            raise TrainingArgumentsError(f"fault_tolerance start_timeout={self.start_timeout:g}: it must be >= 0 "
+                                         "seconds (0: the first step starts with the groups already up)")
 
     def data_split(self, size: int, rank: int) -> tuple[int, int]:
         """(data-parallel size, rank) over all groups, from the group's own: the groups' samples are disjoint

@@ -17,6 +17,7 @@ import ctypes
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -102,6 +103,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     _register_exit_handler()
     if dist.is_initialized():
         return
+    end_with_launcher()
     adopt_srun_environment()
     global _generation
     _generation += 1
@@ -116,6 +118,23 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def end_with_launcher() -> None:
+    """Under torchrun (`shardtrain launch`), have Linux SIGKILL this worker when its launcher dies.
+
+    torchrun starts each worker in a session of its own, so a launcher killed alone (SIGKILL, an OOM kill)
+    would leave its workers running as orphans: a replica group half alive, still counted by its peers, or
+    GPUs held by a job that is gone. A no-op elsewhere (no torchrun, not Linux).
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if parent == 1 or os.getppid() != parent:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def launched_alone() -> bool:

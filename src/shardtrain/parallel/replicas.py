@@ -13,6 +13,10 @@ state (`parallel.recovery`: JSON and safetensors, never pickle) before its first
     replicas.reduce_grads(params, extra)   # the sum over the quorum
     if replicas.commit(): optimizer.step() ...
 
+The first quorum of a group's process waits for every group (up to `start_timeout`) unless a running peer is
+ahead of it, so groups started together train every step together; each group's rank 0 prints one line when the
+quorum's groups change (`_say_change`). torchft's own INFO log is off unless `torchft_log` asks for it.
+
 Exactness: the counts are summed over the quorum before the first forward, so each group's gradients are its
 token sums divided by the quorum's target tokens, and their sum is the exact step of the samples of the groups that
 took part (3 of 4 groups: the step of those 3 groups' samples).
@@ -48,6 +52,23 @@ def layout_signature(**facts: Any) -> float:
     return float(int.from_bytes(digest, "little") + 1)
 
 
+class _NoFlightRecorderLine(logging.Filter):
+    """torchft warns at each new quorum that it cannot reset NCCL's flight recorder, also on gloo runs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in str(record.getMessage())
+
+
+def quiet_torchft(level: str = "warn") -> None:
+    """torchft's log at `level` (its Rust core reads RUST_LOG once, when torchft is first imported; a RUST_LOG the
+    user set wins): INFO there is four lines a step, each with the whole quorum."""
+    os.environ.setdefault("RUST_LOG", level)
+    python_level = {"error": logging.ERROR, "warn": logging.WARNING, "info": logging.INFO}.get(level, logging.DEBUG)
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(python_level)
+    logging.getLogger("torchft.manager").addFilter(_NoFlightRecorderLine())
+
+
 def probe_lighthouse(address: str, within: float = 5.0) -> None:
     """Raise OSError unless something accepts a TCP connection at the lighthouse's address within `within`
     seconds (one started at the same time gets them): torchft's own timeouts would report it after a minute."""
@@ -76,18 +97,21 @@ class ReplicaGroups:
         self.healed = False  # set by the state loader while a quorum heals this group
         self.quorum_seconds = 0.0  # time spent forming quorums (and recovering), for the goodput figures
         self._open = False  # a quorum was formed for the step and not yet committed
+        self._joined = False  # a first quorum was formed (the start wait is over)
+        self._seen: set[int] = set()  # the groups that have been in a quorum with this one
+        self._heal_seconds = 0.0  # what this group's last quorum took when it healed in it (0: it did not)
 
     @classmethod
     def start(cls, settings: FaultTolerance, *, device: torch.device, signature: float,
               state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], step: int) -> ReplicaGroups:
         """Join the job's replica groups: torchft's `Manager` for this rank (its group's ranks share its manager
         server), the recovery server, the step count a resume starts from."""
+        quiet_torchft(settings.torchft_log)
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         from shardtrain.parallel.recovery import SafeTransport, advertised_host
 
-        logging.getLogger("torchft").setLevel(logging.WARNING)
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         store = None
         if "MASTER_ADDR" not in os.environ:  # one process, not launched: this group's store is its own
@@ -142,6 +166,10 @@ class ReplicaGroups:
         """The quorum of the step about to run (once until it commits or fails); a group behind its peers loads
         a peer's state here. Returns whether it did (the data position moved).
 
+        This process's first quorum, unless it heals from a peer that is ahead (the job is running), waits up to
+        start_timeout for every group: groups started together train every step together, and `min_replicas`
+        governs only later steps.
+
         Raises:
             ReplicaGroupError: no quorum within quorum_timeout (the lighthouse unreachable, fewer than
                 min_replicas groups up), or a recovery refused.
@@ -150,6 +178,30 @@ class ReplicaGroups:
             return False
         self.healed = False
         started = time.perf_counter()
+        waiting = not self._joined and self.settings.start_timeout > 0
+        while True:
+            self._quorum(step)
+            if not waiting or self.healed or self.manager.num_participants() >= self.settings.replica_groups:
+                break
+            if time.perf_counter() - started >= self.settings.start_timeout:
+                if self.rank == 0:
+                    print(f"replica group {self.group}: {self.manager.num_participants()} of "
+                          f"{self.settings.replica_groups} groups after start_timeout="
+                          f"{self.settings.start_timeout:g}s; starting without the others (they join when up)",
+                          flush=True)
+                break
+            time.sleep(0.5)  # the same quorum again until the others ask too (torchft reconfigures on change only)
+        self._joined = True
+        self._open = True
+        took = time.perf_counter() - started
+        self.quorum_seconds += took
+        self._heal_seconds = took if self.healed else 0.0
+        if self.healed and self.rank == 0:
+            print(f"replica group {self.group} recovered step {self.manager.current_step()} from a peer in "
+                  f"{took:.2f}s", flush=True)
+        return self.healed
+
+    def _quorum(self, step: int) -> None:
         if self.manager.current_step() != step:  # torchft's count of committed steps is the data's steps taken
             self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
         try:
@@ -166,13 +218,6 @@ class ReplicaGroups:
             raise ReplicaGroupError(f"replica group {self.group}: {failure}")
         if failure is not None:  # the step will not commit (torchft saw the error); the next quorum retries
             log.warning("replica group %d: %s; retrying at the next quorum", self.group, failure)
-        self._open = True
-        took = time.perf_counter() - started
-        self.quorum_seconds += took
-        if self.healed and self.rank == 0:
-            print(f"replica group {self.group} recovered step {self.manager.current_step()} from a peer in "
-                  f"{took:.2f}s", flush=True)
-        return self.healed
 
     def reduce_counts(self, targets: int, inputs: int) -> tuple[int, int] | None:
         """The quorum's (target, input) counts from this group's, and which groups they came from; None when the
@@ -181,20 +226,44 @@ class ReplicaGroups:
         Raises:
             ReplicaGroupError: a group of the quorum runs another layout.
         """
-        header = torch.zeros(3 + self.settings.replica_groups, dtype=torch.float64, device=self.device)
+        count = self.settings.replica_groups
+        # the counts, the layout's signature, then per group: whether it takes part, the seconds it spent healing
+        header = torch.zeros(3 + 2 * count, dtype=torch.float64, device=self.device)
         header[0], header[1], header[2] = targets, inputs, self.signature
         header[3 + self.group] = 1.0
+        header[3 + count + self.group] = self._heal_seconds
         self.manager.allreduce(header, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return None
         values = header.tolist()
-        groups = tuple(i for i, flag in enumerate(values[3:]) if flag > 0.5)
+        groups = tuple(i for i, flag in enumerate(values[3:3 + count]) if flag > 0.5)
         if values[2] != self.signature * len(groups):
             raise ReplicaGroupError(f"replica group {self.group}: a group of the quorum {list(groups)} runs another "
                                     "layout (world size, parallel sizes, batch sizes, model or steps differ); "
                                     "start every group with the same script, arguments and number of ranks")
+        self._say_change(groups, values[3 + count:])
         self.groups = groups
         return round(values[0]), round(values[1])
+
+    def _say_change(self, groups: tuple[int, ...], heal_seconds: list[float]) -> None:
+        """One line on every group's rank 0 when the quorum's groups change: the operator's view of the job."""
+        if groups == self.groups or self.rank != 0:
+            return
+        step, before = self.manager.current_step() + 1, self.groups
+        if not before:
+            print(f"replica groups: step {step} trains with groups {list(groups)} ({len(groups)} of "
+                  f"{self.settings.replica_groups})", flush=True)
+        share = ("its share of each step is re-fed to later steps" if self.settings.lost_batches == "refeed"
+                 else "its share of each step is skipped (lost_batches: skip)")
+        for g in sorted(set(before) - set(groups)):
+            print(f"replica groups: step {step}: group {g} left ({len(before)} -> {len(groups)} groups); {share}",
+                  flush=True)
+        for g in sorted(set(groups) - set(before)) if before else ():
+            again = "rejoined" if g in self._seen else "joined"
+            healed = f"healed from a peer in {heal_seconds[g]:.2f}s" if heal_seconds[g] else "it was at this step"
+            print(f"replica groups: step {step}: group {g} {again} ({len(before)} -> {len(groups)} groups); "
+                  f"{healed}", flush=True)
+        self._seen.update(groups)
 
     def participants(self) -> tuple[int, ...] | None:
         """The groups of the quorum just formed, in order (one small sum over it); None when it failed."""

@@ -59,6 +59,13 @@ class TrainerParts:
         return saved_processor(self.trainer.processing_class, self.trainer.data_collator)
 
 
+def flop_parameters(model: torch.nn.Module) -> int:
+    """The parameters of Hugging Face's flos estimate (`num_parameters(exclude_embeddings=True)`) of the whole
+    model: read before a pipeline keeps only a rank's stage (sharded parameters count whole)."""
+    count = getattr(model, "num_parameters", None)
+    return count(exclude_embeddings=True) if callable(count) else sum(p.numel() for p in model.parameters())
+
+
 class TrainerLoopHooks:
     """`LoopHooks` on a Trainer (`trainer`: shardtrain's `Trainer`, or a subclass) for one `train()`: `step` runs
     each optimizer step (`by_samples`: the loss is a mean per micro-batch, weighted by its samples);
@@ -67,10 +74,7 @@ class TrainerLoopHooks:
     def __init__(self, trainer: Any, step: OptimizerStep, *, by_samples: bool = False,
                  ignore_keys: list[str] | None = None) -> None:
         self.trainer, self.step, self.by_samples, self.ignore_keys = trainer, step, by_samples, ignore_keys
-        model = trainer.model  # Hugging Face's total_flos estimate: 6 x non-embedding parameters x tokens
-        count = getattr(model, "num_parameters", None)
-        self.flop_params = count(exclude_embeddings=True) if callable(count) else \
-            sum(p.numel() for p in model.parameters())
+        self.flop_params = trainer.flop_parameters  # Hugging Face's total_flos: 6 x these x input tokens
 
     @property
     def control(self) -> TrainerControl:

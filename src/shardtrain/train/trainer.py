@@ -87,9 +87,9 @@ from shardtrain.train.data.training_data import TrainingData
 from shardtrain.train.data.user_loader import LoaderPlan
 from shardtrain.train.data.validation import ModelLimits
 from shardtrain.train.eval.loaders import ShareLoader, in_sampler_order
-from shardtrain.train.hooks import TrainerLoopHooks, TrainerParts, trainer_eval_loop
+from shardtrain.train.hooks import TrainerLoopHooks, TrainerParts, flop_parameters, trainer_eval_loop
 from shardtrain.train.hp_search import PrunedElsewhere, report_to_hp_search
-from shardtrain.train.loop.replica_gate import ReplicaGate, check_replica_inputs
+from shardtrain.train.loop.replica_gate import ReplicaGate, check_replica_inputs, committed_steps, exit_finished
 from shardtrain.train.loop.resume import Resume
 from shardtrain.train.loop.run import TrainingRun, first_state, log_training_plan
 from shardtrain.train.metrics.logger import MEASURED_KEYS, MetricsLogger, rank0_trackers
@@ -284,6 +284,7 @@ class Trainer(transformers.Trainer):
         self._save_skeleton = skeleton(model) if self.overrides("_save") and isinstance(model, nn.Module) else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
+        self.flop_parameters = flop_parameters(self.model)  # the whole model's, before a pipeline splits it
         self.pipeline = self.preparation.pipeline(self.model)  # this rank's stage and schedule (pp > 1)
         self.loss_computer = LossComputer.for_run(self.model, self.device, args, chunk=self.spec.loss_chunk_size,
                                                   tensor_parallel=self.dims.tp > 1)
@@ -342,10 +343,11 @@ class Trainer(transformers.Trainer):
             check_pipeline_inputs(args, stages=self.dims.pp, custom_loss=self.custom_loss,
                                   loss_kind=self.loss_computer.kind, per_sample=self._loss_per_sample)
         self._check_datasets()
+        ft = self.spec.fault_tolerance  # replica groups: the job's state is the output directory (newest checkpoint)
         resume = Resume.read(resolve_resume(resume_from_checkpoint if resume_from_checkpoint is not None
                                             else args.resume_from_checkpoint, output_dir=args.output_dir,
-                                            restart_count=self.spec.restart_count, fsdp_enabled=args.fsdp_enabled,
-                                            runtime=self.runtime))
+                                            auto=self.spec.restart_count > 0 or ft is not None,
+                                            fsdp_enabled=args.fsdp_enabled, runtime=self.runtime))
         configured = args.per_device_train_batch_size  # (a trial of hyperparameter_search may have changed it)
         if not args.auto_find_batch_size or configured % self._train_batch_size:
             self._train_batch_size = configured
@@ -357,6 +359,10 @@ class Trainer(transformers.Trainer):
         elif isinstance(plan, LoaderPlan):
             plan.check_arguments(args)
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * plan.steps_per_epoch)
+        if ft is not None:  # a group (re)started after the job finished ends here, writing nothing
+            check_replica_inputs(args, plan, xla=self.spec.xla)
+            if (done := committed_steps(self)) >= max_steps:
+                exit_finished(self, done)
         self.create_optimizer_and_scheduler(max_steps)
         log_training_plan(args, plan, max_steps, dataset=self.train_dataset, model=self.model)
         self.state = first_state(args, plan, max_steps, rank=self.rank, train_batch_size=self._train_batch_size,
@@ -371,9 +377,8 @@ class Trainer(transformers.Trainer):
         # this run's step (its max_grad_norm may be a trial's)
         self._guarded = GuardedRun.start(args.step_guard, self.state, args.output_dir, resuming=resume is not None,
                                          rank=self.rank)
-        if self.spec.fault_tolerance is not None:  # joins the replica groups (a late group heals at its 1st step)
-            check_replica_inputs(args, plan, xla=self.spec.xla)
-            self._replica_gate = ReplicaGate.start(self, self.spec.fault_tolerance, plan, max_steps)
+        if ft is not None:  # joins the replica groups (a late group heals at its 1st step)
+            self._replica_gate = ReplicaGate.start(self, ft, plan, max_steps)
         replicas = self._replica_gate.replicas if self._replica_gate is not None else None
         self._engine_step = OptimizerStep(model=self.model, dims=self.dims, device=self.device,
                                           all_reduce=self.backend.all_reduce, max_grad_norm=args.max_grad_norm,

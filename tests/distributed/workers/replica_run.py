@@ -2,9 +2,9 @@
 
 torchrun --nproc_per_node 2 replica_run.py '{"out": "OUT", "fault_tolerance": {...}, "max_steps": 8}'
 Keys besides TrainingArguments fields: "out", "model" (llama | llama_tied | llama_dropout), "dataset_size",
-"step_sleep" (seconds each step waits after it ends), "hold" (a path: after each step the group waits while that
-file exists, so a test can keep it from finishing while another group restarts; "hold_from": only from that
-step on), "resume".
+"group" (this group's id), "step_sleep" (seconds each step waits after it ends), "hold" (a path: after each step
+the group waits while that file exists, so a test can keep it from finishing while another group restarts;
+"hold_from": only from that step on), "resume".
 On train begin (the group has joined: its manager heartbeats) OUT/group<I>.started appears.
 Every group's rank 0 writes OUT/group<I>/result.json (the losses it logged, its final step, a hash of its model and
 optimizer state at each step's begin and end, the lost slots still waiting) and weights.pt (the final whole model,
@@ -69,7 +69,7 @@ def main(job: dict) -> None:
     model = tiny_llama(seed=0, tie=name != "llama", layers=4 if name == "llama_dropout" else 2,
                        attention_dropout=0.1 if name == "llama_dropout" else 0.0)
     data = variable_length_dataset(n=job.pop("dataset_size", 96), vocab=64)
-    group = job["fault_tolerance"]["replica_group"]
+    group = job.pop("group")  # (the launcher's --replica_group_id, or fault_tolerance's replica_group)
     losses = Losses(job.pop("step_sleep", 0.0), job.pop("hold", None), job.pop("hold_from", 0),
                     out / f"group{group}.started")
     resume = job.pop("resume", None)

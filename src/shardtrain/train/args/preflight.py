@@ -39,15 +39,16 @@ def check_model_source(model: Any, model_init: Any, optimizers: tuple[Any, Any])
         raise TrainingArgumentsError("Trainer needs a model or a model_init function")
 
 
-def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, restart_count: int, fsdp_enabled: bool,
+def resolve_resume(resume: str | bool | None, *, output_dir: str | Path, auto: bool, fsdp_enabled: bool,
                    runtime: Runtime) -> Path | None:
     """The checkpoint to resume from: a path, True (newest, required), "auto" (newest if any), or None.
 
-    None under a torchrun restart (`restart_count` > 0) means "auto", so `--max_restarts` continues from the
-    newest checkpoint without any logic in the script. Rank 0 chooses (skipping damaged checkpoints with a
-    warning) and broadcasts its choice over `runtime`'s ranks, so every rank loads the same one.
+    None means "auto" when `auto` is set: under a torchrun restart, so `--max_restarts` continues from the
+    newest checkpoint without any logic in the script, and under replica groups, whose job's state is the
+    output directory. Rank 0 chooses (skipping damaged checkpoints with a warning) and broadcasts its choice
+    over `runtime`'s ranks, so every rank loads the same one.
     """
-    if resume is None and restart_count > 0:
+    if resume is None and auto:
         resume = "auto"
     if resume in (None, False):
         return None

@@ -12,6 +12,12 @@ so there is no RNG stream to carry. Only the lowest group of a step's quorum wri
 checkpoints and `committed_batches.jsonl`, one line per committed step with the groups that took part and the
 dataset indices they trained (`RECORD_FILE`).
 
+The job's state is its output directory, and no group goes back in it: a group that starts resumes from the
+newest checkpoint (train() resumes by default under replica groups), exits 0 at once when the record holds
+`max_steps` (`exit_finished`), heals from a running peer that is ahead, and otherwise (no group running, the whole
+job restarting) trains the record's steps after its checkpoint again, replacing their lines as they commit; a
+record no checkpoint backs is refused (`_check_job`).
+
 A dead group's share of a step (its slot: epoch, step, group) is lost. With `lost_batches: "refeed"` the lost
 slots wait in the trainer state (`lost_slots`, in checkpoints and in what a recovering group receives); at each
 step the i-th group of the quorum also trains the i-th waiting slot, as the group that lost it would have (its
@@ -45,11 +51,13 @@ class ReplicaGate:
 
     replicas: ReplicaGroups  # set by `start` (its state functions are this gate's)
 
-    def __init__(self, trainer: Any, dp_size: int, settings: FaultTolerance) -> None:
-        self.trainer, self.group_dp, self.settings = trainer, dp_size, settings
+    def __init__(self, trainer: Any, dp_size: int, settings: FaultTolerance, max_steps: int) -> None:
+        self.trainer, self.group_dp, self.settings, self.max_steps = trainer, dp_size, settings, max_steps
         self.record = Path(trainer.args.output_dir) / RECORD_FILE
         self._taken: list[list[int]] = []  # the waiting slots the quorum of the open step re-feeds
         self._mine: list[int] | None = None  # the one this group re-feeds
+        self._joined = False  # the first quorum was formed and the job's state checked against it
+        self._replace_after: int | None = None  # the record's lines after this step describe a state nobody holds
 
     @classmethod
     def start(cls, trainer: Any, settings: FaultTolerance, plan: Plan, max_steps: int) -> ReplicaGate:
@@ -58,19 +66,47 @@ class ReplicaGate:
         signature = layout_signature(world=trainer.runtime.world_size, layout=dims.describe(),
                                      batch=plan.global_batch_size, steps=max_steps,
                                      params=sum(p.numel() for p in trainer.model.parameters()))
-        gate = cls(trainer, dims.batch_size, settings)
+        gate = cls(trainer, dims.batch_size, settings, max_steps)
         gate.replicas = ReplicaGroups.start(settings, device=trainer.device, signature=signature,
                                             state_dict=gate.state_dict, load_state_dict=gate.load_state_dict,
                                             step=state.global_step + state.skipped_steps)
-        if trainer.rank == 0 and settings.replica_group == 0 and state.global_step:
-            gate.truncate_after(state.global_step)  # steps after the resumed checkpoint are trained again
         return gate
+
+    # -- the job's state: the output directory ------------------------------------------------------------
+    def committed_steps(self) -> int:
+        """The last step the job's record holds (0: none), as this group's rank 0 reads it."""
+        return committed_steps(self.trainer, self.record)
+
+    def _check_job(self, step: int) -> None:
+        """After the first quorum, when no running group was ahead of this one (it did not heal): the record
+        decides. The job finished: exit. The record holds steps past `step` that no running group holds (every
+        group died after them): they are trained again from the resumed checkpoint, their lines replaced as they
+        commit; from step 0 they cannot be, so the group stops without writing anything."""
+        last = self.committed_steps()
+        if last >= self.max_steps:
+            exit_finished(self.trainer, last)
+        if last <= step:
+            return
+        if step == 0:
+            raise ReplicaGroupError(
+                f"replica group {self.settings.replica_group}: the job's record {self.record} holds steps 1..{last}, "
+                f"but no running group holds them and {self.trainer.args.output_dir} has no checkpoint to resume "
+                "from; nothing was written. Use a new output_dir to start the job anew, or save checkpoints "
+                "(save_strategy) so a restarted job resumes")
+        self._replace_after = step
+        if self.trainer.rank == 0:
+            print(f"replica group {self.settings.replica_group}: no running group holds steps {step + 1}..{last} "
+                  f"of the record; they are trained again from checkpoint-{step}", flush=True)
 
     # -- the loop's gate ----------------------------------------------------------------------------------
     def begin(self, state: Any) -> bool:
         opened = not self.replicas.is_open
         step = state.global_step + state.skipped_steps
         moved = self.replicas.begin(step)
+        if not self._joined:
+            self._joined = True
+            if not moved:
+                self._check_job(state.global_step)
         # the step's RNG from (seed, step, group, rank) only: a healed group and a resumed job draw what an
         # uninterrupted one would
         torch.manual_seed(derive_seed(self.trainer.args.seed, "replica-step", step, self.replicas.group,
@@ -103,6 +139,9 @@ class ReplicaGate:
         self._taken, self._mine = [], None
         if not (self.replicas.writes and self.trainer.rank == 0):
             return
+        if self._replace_after is not None:  # the first step trained again: the old lines from it on go
+            self.truncate_after(self._replace_after)
+            self._replace_after = None
         line = {"step": state.global_step, "epoch": epoch, "data_step": step, "groups": list(result.groups)}
         if refed:
             line["refed"] = refed
@@ -165,6 +204,30 @@ class ReplicaGate:
         for name, value in received["progress"].items():
             if hasattr(trainer.state, name) and name not in OWN_FIELDS:
                 setattr(trainer.state, name, value)
+
+
+def committed_steps(trainer: Any, record: Path | None = None) -> int:
+    """The last step of the job's record in `trainer`'s output_dir (0: none), read by the group's rank 0 and
+    shared with its ranks."""
+    record = record if record is not None else Path(trainer.args.output_dir) / RECORD_FILE
+    last = 0
+    if trainer.rank == 0 and record.is_file():
+        for line in record.read_text().splitlines():
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+    value = torch.tensor([last], dtype=torch.int64, device=trainer.runtime.device)
+    trainer.runtime.backend.broadcast(value, src=0)
+    return int(value.item())
+
+
+def exit_finished(trainer: Any, step: int) -> None:
+    """End a group that (re)started after the job finished: one line, exit status 0, nothing written."""
+    if trainer.rank == 0:
+        print(f"replica group {trainer.spec.fault_tolerance.replica_group}: the job finished at step {step} "
+              f"(its record in {trainer.args.output_dir}); nothing to train", flush=True)
+    raise SystemExit(0)
 
 
 def check_replica_inputs(args: Any, plan: Plan, *, xla: bool) -> None:
