@@ -12,6 +12,7 @@ Face's own override points and attributes (`_evaluate`, `_save_checkpoint`, `_ge
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,9 +60,17 @@ class TrainerParts:
         return saved_processor(self.trainer.processing_class, self.trainer.data_collator)
 
 
-def flop_parameters(model: torch.nn.Module) -> int:
+def flop_parameters(model: torch.nn.Module | str | os.PathLike) -> int:
     """The parameters of Hugging Face's flos estimate (`num_parameters(exclude_embeddings=True)`) of the whole
-    model: read before a pipeline keeps only a rank's stage (sharded parameters count whole)."""
+    model (sharded parameters count whole). A saved model's are counted on a copy built on the meta device."""
+    if isinstance(model, str | os.PathLike):
+        from transformers import AutoConfig
+
+        from shardtrain.model_facts import model_class_from_config
+
+        cls, config = model_class_from_config(Path(model)), AutoConfig.from_pretrained(model)
+        with torch.device("meta"):
+            model = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
     count = getattr(model, "num_parameters", None)
     return count(exclude_embeddings=True) if callable(count) else sum(p.numel() for p in model.parameters())
 

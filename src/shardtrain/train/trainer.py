@@ -282,9 +282,11 @@ class Trainer(transformers.Trainer):
         # an overridden `_save` (a library's writer) is handed a whole copy of the model on rank 0, built from this
         # skeleton (the module before sharding, on the meta device) and the gathered weights
         self._save_skeleton = skeleton(model) if self.overrides("_save") and isinstance(model, nn.Module) else None
+        # total_flos counts the whole model's parameters: a pipeline's rank holds one stage once laid out
+        whole = flop_parameters(model) if self.dims.pp > 1 else None
         self.model, self._frozen_base = self.preparation.prepare(model, self._peft_config)
         self.model_wrapped = self.model  # the model as it runs (FSDP2 shards the module in place)
-        self.flop_parameters = flop_parameters(self.model)  # the whole model's, before a pipeline splits it
+        self.flop_parameters = whole if whole is not None else flop_parameters(self.model)
         self.pipeline = self.preparation.pipeline(self.model)  # this rank's stage and schedule (pp > 1)
         self.loss_computer = LossComputer.for_run(self.model, self.device, args, chunk=self.spec.loss_chunk_size,
                                                   tensor_parallel=self.dims.tp > 1)

@@ -4,7 +4,7 @@ torchrun --nproc_per_node 2 train_run.py '[{"out": "OUT_DIR", "per_device_train_
 Jobs run one after the other in this process group (each with a fresh model and Trainer: a resume job reads
 everything from disk), which saves a process start per job. Keys besides TrainingArguments fields: "out",
 "model" (llama | llama_tied | llama_tied4: 4 layers | llama_dropout: 4 layers, tied, attention dropout 0.1 | bert |
-gpt2: GPT-2 with dropout 0.1 and tied embeddings), "dataset_size",
+gpt2: GPT-2 with dropout 0.1 and tied embeddings), "dataset_size", "fixed_length" (every sample that many tokens),
 "resume" (passed to train()), "stop_after" (a callback stops the run after that step), "save_model" (dir),
 "probe" (the final model's logits on a fixed batch go to OUT/probe.pt), "random_collator" (a collator that
 masks 20 % of the input tokens at random), "checkpoint_fault" (a dict, for save_async tests: "delay_s" starts
@@ -170,7 +170,9 @@ def run_job(knobs: dict) -> None:
     out = Path(knobs.pop("out"))
     vocab = knobs.pop("vocab", 64)
     model, data = build(knobs.pop("model", "llama"), knobs.pop("model_seed", 0), vocab)
-    data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96), vocab=vocab)
+    length = knobs.pop("fixed_length", None)  # every sample this long: no padding
+    data = data or variable_length_dataset(n=knobs.pop("dataset_size", 96), vocab=vocab,
+                                           **({"min_len": length, "max_len": length} if length else {}))
     resume, stop_after = knobs.pop("resume", None), knobs.pop("stop_after", None)
     save_model, probe = knobs.pop("save_model", None), knobs.pop("probe", False)
     weights, predict = knobs.pop("weights", False), knobs.pop("predict", False)
@@ -247,7 +249,7 @@ def run_job(knobs: dict) -> None:
         (out / "result.json").write_text(json.dumps({
             "steps": [e["step"] for e in train_logs], "losses": [e["loss"] for e in train_logs],
             "grad_norms": [e["grad_norm"] for e in train_logs], "lrs": [e["learning_rate"] for e in train_logs],
-            "eval_loss": metrics["eval_loss"], "global_step": state.global_step,
+            "eval_loss": metrics["eval_loss"], "global_step": state.global_step, "total_flos": state.total_flos,
             "eval_metrics": {k: v for k, v in metrics.items() if not k.endswith(("_per_second", "_runtime"))},
             "generated": generated, "layout": trainer.dims.describe(),
             "compiled_modules": [n for n, m in trainer.model.named_modules()

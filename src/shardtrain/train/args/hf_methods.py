@@ -77,7 +77,9 @@ REPLACED: dict[str, str] = {
     "_defer_fsdp_gradient_reduction": "FSDP2 reduces gradients once per optimizer step",
     "_sync_replicated_trainable_parameters": "FSDP2 keeps replicated parameters in step",
     "_track_num_input_tokens": "the engine counts num_input_tokens_seen per step",
-    "floating_point_ops": "the engine estimates total_flos per step (6 x parameters x tokens)",
+    "floating_point_ops": "the engine estimates total_flos per step as transformers: 6 x the whole model's "
+                          "non-embedding parameters (a pipeline's too) x input tokens (real ones: transformers "
+                          "counts padding)",
     "_wrap_model": "the engine shards the model (ModelPreparation); configure it with fsdp_config",
     "_move_model_to_device": "fully_shard places each unit on the device",
     "_prepare_context_parallel_inputs": "the engine splits sequences over cp ranks (cp_size)",
