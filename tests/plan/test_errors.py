@@ -141,3 +141,23 @@ def test_planning_leaves_the_error_hook_as_it_was(config_json):
     before = sys.excepthook
     plan(config_json, world_size=2, estimate_step_time=False)
     assert sys.excepthook is before
+
+
+def test_rates_are_named_by_their_source_and_host_memory_is_checked(config_json, capsys):
+    """--accelerator's rate is its datasheet peak (not a rate the user gave): the step time is shown at MFU 40 %
+    beside the full-rate floor; rank 0's machine's host memory is weighed against --host-memory."""
+    argv = ["plan", str(config_json), "--world-size", "2", "--batch", "2", "--seq-len", "16", "--no-what-if",
+            "--accelerator", "h100-sxm"]
+    assert main([*argv, "--host-memory", "1KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "at 67 TFLOP/s, h100-sxm datasheet peak, fp32)" in out and "given (--tflops)" not in out
+    assert "GB/s, h100-sxm datasheet, NVLink 4)" in out
+    assert "(no overlap) at the full rate: a floor" in out and "at MFU 40% of that rate (--mfu)" in out
+    assert "Host memory, rank 0's machine (2 ranks): " in out and "1.00 KiB available (--host-memory): does NOT fit" \
+        in out
+    assert main([*argv, "--json", "--mfu", "0.5", "--tflops", "100"]) == 0
+    step = json.loads(capsys.readouterr().out)["step_time"]
+    assert step["flops_rate_source"] == "given (--tflops)" and step["mfu"] == 0.5
+    assert step["compute_s_at_mfu"] == pytest.approx(2 * step["compute_s"])
+    assert main([*argv, "--mfu", "1.5"]) == 2  # before anything is traced
+    assert "error: --mfu 1.5: give the share of the compute rate a step reaches" in capsys.readouterr().err

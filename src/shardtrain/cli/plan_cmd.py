@@ -101,7 +101,14 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     plan.add_argument("--target", choices=("cuda", "cpu"),
                       help="the device kind the run trains on (default: cuda with --accelerator or "
                       "--device-memory, or when a GPU is visible here; else cpu: offloaded state counts too)")
-    plan.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s (default: measured here)")
+    plan.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s (default: the "
+                      "--accelerator's datasheet peak, else measured here)")
+    plan.add_argument("--mfu", type=float, default=None,
+                      help="the share of that rate a real step reaches, for the second step time (default 0.4 with "
+                           "a datasheet peak, 1 with a rate measured here or given)")
+    plan.add_argument("--host-memory", help="host memory of one machine, e.g. 512GiB (default: this machine's)")
+    plan.add_argument("--ranks-per-machine", type=int, default=None,
+                      help="ranks on one machine, for the host memory it needs (default: 8, or the world size)")
     plan.add_argument("--link-gbps", type=float, help="link rate per rank in GB/s (default: a local stand-in)")
     plan.add_argument("--no-step-time", action="store_true", help="skip the step-time estimate")
     plan.add_argument("--no-what-if", action="store_true",
@@ -117,13 +124,19 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from shardtrain.plan import plan
     from shardtrain.plan.accelerators import accelerator
+    from shardtrain.plan.step_time import DEFAULT_MFU
 
     try:
         device = accelerator(args.accelerator) if args.accelerator else None
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        print(f"error: --mfu {args.mfu:g}: give the share of the compute rate a step reaches, in (0, 1] "
+              "(e.g. 0.4)", file=sys.stderr)
+        return 2
     why = "--target"
+    sources: list[str | None] = [None, None]  # where the compute and link rates come from, when given
     if args.target is None and (device is not None or args.device_memory):
         args.target, why = "cuda", f"--{'accelerator' if device is not None else 'device-memory'} names a GPU"
     elif args.target is None:
@@ -135,8 +148,12 @@ def run_plan(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         args.device_memory = args.device_memory or f"{device.memory_gib:g}GiB"
-        args.tflops = args.tflops or device.tflops("bf16" if args.bf16 else "fp32")
-        args.link_gbps = args.link_gbps or device.link_gbps
+        precision = "bf16" if args.bf16 else "fp32"
+        if args.tflops is None:
+            args.tflops, sources[0] = device.tflops(precision), f"{device.name} datasheet peak, {precision}"
+            args.mfu = DEFAULT_MFU if args.mfu is None else args.mfu
+        if args.link_gbps is None:
+            args.link_gbps, sources[1] = device.link_gbps, f"{device.name} datasheet, {device.link}"
         why += f"; {device.name}: {args.tflops:g} TFLOP/s peak, {args.link_gbps:g} GB/s"
     no_rate = args.target == "cuda" and not torch.cuda.is_available() and args.tflops is None
     if no_rate and not args.no_step_time:  # a CPU matmul says nothing of a GPU's step
@@ -153,7 +170,9 @@ def run_plan(args: argparse.Namespace) -> int:
                       reshard_after_forward=args.reshard_after_forward, optimizer=args.optimizer,
                       lora_rank=args.lora_rank, device_memory=args.device_memory, target=args.target,
                       tflops=args.tflops, link_gbps=args.link_gbps, estimate_step_time=not args.no_step_time,
-                      what_if=not args.no_what_if, loss_chunk_size=args.loss_chunk_size)
+                      what_if=not args.no_what_if, loss_chunk_size=args.loss_chunk_size,
+                      rate_sources=(sources[0], sources[1]), mfu=args.mfu or 1.0, host_memory=args.host_memory,
+                      ranks_per_machine=args.ranks_per_machine)
     except UserError as err:  # FSDPConfigError, ParallelDimsError, PlanError: the message names the fix
         print(f"error: {err}", file=sys.stderr)
         return 2

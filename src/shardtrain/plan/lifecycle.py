@@ -213,3 +213,22 @@ def lifecycle_rows(layout: list[TensorLayout], *, world_size: int, target: str, 
             staged_tensor=staged),
     ]
     return rows
+
+
+DEFAULT_RANKS_PER_MACHINE = 8  # a GPU machine's usual count (`shardtrain plan --ranks-per-machine`)
+
+
+def host_per_machine(rows: list[PhaseMemory], world_size: int, host_memory: int | None,
+                     ranks_per_machine: int | None = None) -> dict:
+    """The host memory rank 0's machine needs in the phase of this fsdp_config that needs most (rank 0 and its
+    machine's other ranks together), against `host_memory` (default: this machine's)."""
+    import psutil
+
+    ranks = min(world_size, ranks_per_machine or DEFAULT_RANKS_PER_MACHINE)
+    available = host_memory if host_memory is not None else psutil.virtual_memory().total
+    chosen = [r for r in rows if r.selected] or rows
+    worst = max(chosen, key=lambda r: r.rank0_host + (ranks - 1) * r.other_host)
+    peak = worst.rank0_host + (ranks - 1) * worst.other_host
+    return {"ranks_per_machine": ranks, "peak_bytes": peak, "phase": worst.name, "host_memory_bytes": available,
+            "host_memory_source": "--host-memory" if host_memory is not None else "this machine's",
+            "fits": peak <= available}

@@ -20,7 +20,7 @@ from torch import nn
 from shardtrain.config.fsdp_config import AC_MODES, FSDPConfig, parse_activation_checkpointing
 from shardtrain.errors import PlanError
 from shardtrain.parallel.dims import ParallelDims
-from shardtrain.plan.lifecycle import PhaseMemory, lifecycle_rows
+from shardtrain.plan.lifecycle import PhaseMemory, host_per_machine, lifecycle_rows
 from shardtrain.plan.memory import device_peak, fit_advice, memory_rows, parse_bytes
 from shardtrain.plan.model_source import model_builder
 from shardtrain.plan.result import Plan
@@ -75,7 +75,8 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
          reshard_after_forward: bool | None = None, optimizer: str = "adamw_torch_fused", lora_rank: int = 0,
          device_memory: str | int | None = None, target: str = "cuda", tflops: float | None = None,
          link_gbps: float | None = None, estimate_step_time: bool = True, what_if: bool = True,
-         loss_chunk_size: int | str | None = None) -> Plan:
+         loss_chunk_size: int | str | None = None, rate_sources: tuple[str | None, str | None] = (None, None),
+         mfu: float = 1.0, host_memory: str | int | None = None, ranks_per_machine: int | None = None) -> Plan:
     """Predict what each rank holds during a Trainer step, and how long the step takes.
 
     Args:
@@ -196,11 +197,17 @@ def plan(model: str | os.PathLike | nn.Module | Any, *,
         timed = trace if pipeline is None else dataclasses.replace(
             trace, flops=int(trace.flops * per_device_batch / setup.per_device_batch))
         result.step = step_time(timed, Rates.resolve(tflops, link_gbps, device, gemm=trace.gemm, threads=threads,
-                                                  dtype=COMPUTE_DTYPES.get(precision, torch.float32)))
+                                                  dtype=COMPUTE_DTYPES.get(precision, torch.float32),
+                                                  tflops_source=rate_sources[0], link_source=rate_sources[1]),
+                                mfu=mfu)
         if pipeline is not None:  # the stage idles for the schedule's bubble
             result.step["pipeline_bubble"] = pipeline["bubble"]
-            result.step["step_s_no_overlap"] /= 1 - pipeline["bubble"]
-            result.step["step_s_full_overlap"] /= 1 - pipeline["bubble"]
+            for key in ("step_s_no_overlap", "step_s_full_overlap", "step_s_at_mfu_no_overlap",
+                        "step_s_at_mfu_full_overlap"):
+                result.step[key] /= 1 - pipeline["bubble"]
+    if result.lifecycle:
+        result.host = host_per_machine(result.lifecycle, dims.world_size, parse_bytes(host_memory)
+                                       if host_memory is not None else None, ranks_per_machine)
     return result
 
 

@@ -30,6 +30,7 @@ class Plan:
     what_if_ac: StepTrace | None = field(default=None, repr=False)
     ac_traces: dict[str, StepTrace] = field(default_factory=dict, repr=False)
     lifecycle: list[PhaseMemory] = field(default_factory=list)
+    host: dict | None = None  # host memory per machine (`lifecycle.host_per_machine`)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as plain JSON types (bytes as ints)."""
@@ -69,6 +70,8 @@ def plan_dict(result: Plan) -> dict[str, Any]:
         out["fit"] = result.fit
     if result.step is not None:
         out["step_time"] = result.step
+    if result.host is not None:
+        out["host_memory_per_machine"] = result.host
     return out
 
 
@@ -103,14 +106,29 @@ def _fit_lines(fit: dict) -> list[str]:
 
 
 def _step_lines(step: dict) -> list[str]:
-    return [
+    mfu = step.get("mfu", 1.0)
+    lines = [
         f"Step time per rank: compute {step['compute_s'] * 1e3:.1f} ms ({step['flops'] / 1e12:.3g} TFLOP at "
         f"{step['flops_rate'] / 1e12:.3g} TFLOP/s, {step['flops_rate_source']})",
         f"  communication {step['comm_s'] * 1e3:.1f} ms ({human(step['wire_bytes'])} sent at "
         f"{step['link_rate'] / 1e9:.3g} GB/s, {step['link_rate_source']})",
         f"  step {step['step_s_full_overlap'] * 1e3:.1f} ms (full overlap) .. {step['step_s_no_overlap'] * 1e3:.1f} "
-        "ms (no overlap)",
+        f"ms (no overlap) at {'the full rate: a floor' if mfu < 1 else 'the full rate'}",
     ]
+    if mfu < 1:
+        lines.append(f"  step {step['step_s_at_mfu_full_overlap'] * 1e3:.1f} ms .. "
+                     f"{step['step_s_at_mfu_no_overlap'] * 1e3:.1f} ms at MFU {mfu:.0%} of that rate (--mfu)")
+    return lines
+
+
+def _host_lines(host: dict) -> list[str]:
+    line = (f"Host memory, rank 0's machine ({host['ranks_per_machine']} ranks): {human(host['peak_bytes'])} at "
+            f"'{host['phase']}'; {human(host['host_memory_bytes'])} available ({host['host_memory_source']})")
+    if host["fits"]:
+        return [line + ": fits"]
+    return [line + ": does NOT fit",
+            "  load with fsdp_config cpu_ram_efficient_loading (rank 0 reads, the others receive their shards), "
+            "run fewer ranks per machine, or give the machines' memory (--host-memory)"]
 
 
 def plan_table(result: Plan) -> str:
@@ -136,6 +154,8 @@ def plan_table(result: Plan) -> str:
         lines += ["", *_lifecycle_lines(result)]
     if result.fit is not None:
         lines += ["", *_fit_lines(result.fit)]
+    if result.host is not None:
+        lines += ["", *_host_lines(result.host)]
     if result.step is not None:
         lines += ["", *_step_lines(result.step)]
     return "\n".join(lines)

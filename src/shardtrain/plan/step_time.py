@@ -76,9 +76,11 @@ class Rates:
     @classmethod
     def resolve(cls, tflops: float | None = None, link_gbps: float | None = None, device: str = "cpu",
                 gemm: tuple[int, int, int] | None = None, threads: int | None = None,
-                dtype: torch.dtype = torch.float32) -> Rates:
-        """Given rates win; a missing one is measured here on `device` (the compute rate on the `gemm` shape in
-        `dtype` with `threads` CPU threads).
+                dtype: torch.dtype = torch.float32, tflops_source: str | None = None,
+                link_source: str | None = None) -> Rates:
+        """Given rates win (named by `tflops_source` / `link_source`, e.g. an accelerator's datasheet); a missing
+        one is measured here on `device` (the compute rate on the `gemm` shape in `dtype` with `threads` CPU
+        threads).
 
         Raises:
             PlanError: a given rate <= 0.
@@ -87,7 +89,7 @@ class Rates:
             if value is not None and value <= 0:
                 raise PlanError(f"{name} = {value} must be > 0 (e.g. --tflops 400 --link-gbps 50)")
         if tflops is not None:
-            flops, flops_source = tflops * 1e12, "given (--tflops)"
+            flops, flops_source = tflops * 1e12, tflops_source or "given (--tflops)"
         else:
             shape = gemm or (512, 512, 512)
             flops = measure_flops_rate(device, shape, threads, dtype)
@@ -95,7 +97,7 @@ class Rates:
             flops_source = (f"measured here: {DTYPE_NAMES.get(dtype, dtype)} {m}x{k} @ {k}x{n} matmul (the step's "
                             f"largest by FLOPs) on {device}" + (f", {threads} thread(s)" if threads else ""))
         if link_gbps is not None:
-            link, link_source = link_gbps * 1e9, "given (--link-gbps)"
+            link, link_source = link_gbps * 1e9, link_source or "given (--link-gbps)"
         else:
             link = measure_copy_rate(device)
             link_source = f"measured here: memory copy on {device} (a stand-in; pass --link-gbps)"
@@ -109,8 +111,14 @@ def wire_bytes(trace: StepTrace) -> int:
     return trace.wire_bytes
 
 
-def step_time(trace: StepTrace, rates: Rates) -> dict:
-    """Seconds per step: compute, communication, their sum (no overlap) and their max (full overlap)."""
+DEFAULT_MFU = 0.4  # a dense transformer's step reaches 35-45 % of a GPU's datasheet peak (`--mfu`)
+
+
+def step_time(trace: StepTrace, rates: Rates, mfu: float = 1.0) -> dict:
+    """Seconds per step: compute, communication, their sum (no overlap) and their max (full overlap), at the full
+    compute rate (a floor) and at `mfu` of it (the share of the rate a real step reaches)."""
+    if not 0 < mfu <= 1:
+        raise PlanError(f"mfu = {mfu}: give the share of the compute rate a step reaches, in (0, 1] (e.g. 0.4)")
     compute = trace.flops / rates.flops_per_s
     sent = wire_bytes(trace)
     comm = sent / rates.link_bytes_per_s
@@ -118,4 +126,5 @@ def step_time(trace: StepTrace, rates: Rates) -> dict:
             "compute_s": compute, "comm_s": comm, "step_s_no_overlap": compute + comm,
             "step_s_full_overlap": max(compute, comm), "flops_rate": rates.flops_per_s,
             "flops_rate_source": rates.flops_source, "link_rate": rates.link_bytes_per_s,
-            "link_rate_source": rates.link_source}
+            "link_rate_source": rates.link_source, "mfu": mfu, "compute_s_at_mfu": compute / mfu,
+            "step_s_at_mfu_no_overlap": compute / mfu + comm, "step_s_at_mfu_full_overlap": max(compute / mfu, comm)}

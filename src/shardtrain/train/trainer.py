@@ -262,6 +262,8 @@ class Trainer(transformers.Trainer):
         self.add_callback(PrinterCallback if args.disable_tqdm else ProgressCallback)  # Hugging Face's own
         for tracker in rank0_trackers(args.report_to, self.rank if self.is_world_process_zero() else -1):
             self.add_callback(tracker)
+        if (wanted := verify.request()) is not None:  # `shardtrain verify`: its evidence, its figures, its end
+            self.add_callback(verify.VerifyProbe(self, wanted))
         self.state = TrainerState(is_local_process_zero=args.local_process_index == 0,
                                   is_world_process_zero=self.is_world_process_zero())
         self.control = TrainerControl()
@@ -429,9 +431,6 @@ class Trainer(transformers.Trainer):
         self.logger.draw_report()
         self.call_event("on_train_end")
         self._finish_current_push()  # the uploads in flight, as Hugging Face waits for them
-        if (wanted := verify.request()) is not None:  # `shardtrain verify`: the figures, then the script ends here
-            verify.write_dump(self, wanted)
-            raise SystemExit(0)
         return TrainOutput(self.state.global_step, window.training_loss, metrics)
 
     def _check_datasets(self) -> None:
