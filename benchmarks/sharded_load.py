@@ -102,7 +102,9 @@ def worker(cli: argparse.Namespace) -> None:
         from shardtrain.parallel.loading import meta_source, read_from_source
 
         meta = cli.mode == "meta_object"
-        model = LlamaForCausalLM.from_pretrained(cli.path, **({"device_map": "meta"} if meta else {}))
+        # use_kernels=False: transformers >= 5.25 kernelizes by default, which raises on the meta device
+        model = LlamaForCausalLM.from_pretrained(cli.path,
+                                                 **({"device_map": "meta", "use_kernels": False} if meta else {}))
         source = meta_source(model) if meta else None
         apply_fsdp(model, config)
         if meta:

@@ -2,7 +2,7 @@
 # The ends of pyproject.toml's transformers range: run the tests that depend on transformers' Trainer internals
 # against another transformers release, installed beside .venv's (nothing in .venv changes).
 #
-#   bash scripts/test_transformers_range.sh 5.20.2     # the lower end (the upper end, 5.24.0, is .venv's own)
+#   bash scripts/test_transformers_range.sh 5.20.2     # the lower end (the upper end, 5.25.0, is .venv's own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION="${1:-5.20.2}"

@@ -1,11 +1,14 @@
 """A subclass overriding the methods the engine honours (`workers/method_overrides.py`), on 2 ranks beside the same
 subclass of transformers' Trainer: the sampler's order gives every rank the same samples as under Hugging Face,
-predictions come back in the evaluation sampler's order, `_save` runs on rank 0 with the whole model, and
-`_load_optimizer_and_scheduler` runs on resume and reads the file its `_save_checkpoint` wrote."""
+predictions come back in the evaluation sampler's order, `_save` runs on rank 0 with the whole model,
+`_load_optimizer_and_scheduler` runs on resume and reads the file its `_save_checkpoint` wrote, and a resume inside
+an epoch of an overridden `get_train_dataloader` reads the batches that `get_resumed_dataloader` returns
+(transformers >= 5.25; before, neither Trainer calls it)."""
 
 from pathlib import Path
 
 import pytest
+import transformers
 from launch import read_json, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "method_overrides.py"
@@ -43,3 +46,18 @@ def test_load_optimizer_and_scheduler_runs_on_resume_with_the_checkpoint(runs):
     for ours in runs["ours"]:
         assert ours["counts"]["_load_optimizer_and_scheduler"] == 1
         assert ours["extra"] == {"step": 1}
+
+
+def test_a_resume_inside_an_epoch_reads_what_get_resumed_dataloader_returns_as_under_hugging_face(runs):
+    for rank, (ours, hf) in enumerate(zip(runs["ours"], runs["hf"])):
+        assert ours["loader"] == hf["loader"]
+        batches = [[rank + 1, rank + 3], [rank + 5, rank + 7], [rank + 9, rank + 11], [rank + 13, rank + 15]]
+        assert ours["loader"]["trained"] == batches  # this rank's rows (first tokens), the 4 steps of the epoch
+        if hasattr(transformers.Trainer, "get_resumed_dataloader"):
+            # called once, with the 2 micro-batches of the finished steps; the loader it returns is read from its
+            # start, so steps 3 and 4 train on the epoch's first two batches
+            assert ours["loader"]["resumed_calls"] == [2]
+            assert ours["loader"]["resumed"] == batches[:2]
+        else:  # transformers < 5.25: the finished steps' batches are skipped
+            assert ours["loader"]["resumed_calls"] == []
+            assert ours["loader"]["resumed"] == batches[2:]

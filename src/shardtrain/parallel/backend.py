@@ -138,14 +138,15 @@ class TrainingBackend:
             if isinstance(source, str):
                 raise TrainingArgumentsError(
                     f"the model is on the meta device on every rank, but its weights cannot be read: {source}. "
-                    "Build it with from_pretrained(DIR, device_map='meta') from a local directory of safetensors, "
-                    "or pass the directory as Trainer(model=DIR)")
+                    "Build it with from_pretrained(DIR, device_map='meta', use_kernels=False) from a local directory "
+                    "of safetensors, or pass the directory as Trainer(model=DIR)")
             return source
         if flags[0].item():
             raise TrainingArgumentsError(
                 "the model is on the meta device on rank 0 but not on every rank: rank 0 must hold the weights the "
                 "other ranks receive (fsdp_config 'cpu_ram_efficient_loading'); load it for real on rank 0, build "
-                "it with from_pretrained(DIR, device_map='meta') on every rank, or pass Trainer(model=DIR)")
+                "it with from_pretrained(DIR, device_map='meta', use_kernels=False) on every rank, or pass "
+                "Trainer(model=DIR)")
         if any(flag.item() for flag in flags[1:]):
             if not rank0_loading:
                 raise TrainingArgumentsError(
@@ -157,8 +158,8 @@ class TrainingBackend:
                 "fsdp_config 'cpu_ram_efficient_loading' was not applied: the model was passed already loaded on "
                 "every rank (transformers' from_pretrained loads every weight on each rank; on an accelerator each "
                 "rank then moves the whole model to its device before it is sharded). Load it with "
-                "from_pretrained(DIR, device_map='meta') (it reads nothing; each rank then reads only its shards) "
-                "or pass the directory as Trainer(model=DIR)", stacklevel=3)
+                "from_pretrained(DIR, device_map='meta', use_kernels=False) (it reads nothing; each rank then reads "
+                "only its shards) or pass the directory as Trainer(model=DIR)", stacklevel=3)
         return IN_MODEL
 
     def prepare_forward(self, model: nn.Module) -> None:

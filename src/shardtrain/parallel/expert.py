@@ -106,7 +106,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh, *,
         from transformers.distributed.expert_parallel import EpDispatchExpertsParallel
     except ImportError as err:
         raise ExpertParallelError(f"ep_size = {ep} needs transformers' expert-parallel dispatch "
-                                  f"(transformers.distributed.expert_parallel, transformers 5.24 is tested): {err}; "
+                                  f"(transformers.distributed.expert_parallel, transformers 5.25 is tested): {err}; "
                                   "upgrade transformers or set ep_size to 1") from None
     for module in experts.values():
         count = module.num_experts

@@ -31,7 +31,7 @@ from torch import nn
 
 from shardtrain.model_facts import tied_groups
 
-try:  # transformers 5 (the tested 5.24): without it, only checkpoints whose keys match the model are read sharded
+try:  # transformers 5 (the tested 5.25): without it, only checkpoints whose keys match the model are read sharded
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         Concatenate,

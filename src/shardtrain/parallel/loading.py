@@ -11,9 +11,9 @@ Non-persistent buffers (rotary `inv_freq`, BERT's `position_ids`) are then initi
 `initialize_weights` with the loaded parameters marked done, which is how `from_pretrained` itself fills them
 after building on meta.
 
-A model object built on the meta device by every rank (`from_pretrained(PATH, device_map="meta")`, which reads
-nothing; TRL's by-path loading under `cpu_ram_efficient_loading`) is read the same way from the directory it names
-(`meta_source`): the backend parallelises it and each rank reads its slices.
+A model object built on the meta device by every rank (`from_pretrained(PATH, device_map="meta",
+use_kernels=False)`, which reads nothing; TRL's by-path loading under `cpu_ram_efficient_loading`) is read the same
+way from the directory it names (`meta_source`): the backend parallelises it and each rank reads its slices.
 
 Other sources (pickled `.bin` weights, conversions other than stacking and concatenation) keep the rank-0
 path: only rank 0 reads the weights, the other ranks build on meta, and the weights arrive by broadcast. Tied

@@ -84,15 +84,19 @@ def loads_on_meta(model: Any, args: Any, peft_config: Any) -> Iterator[None]:
     `args.model_init_kwargs`, the policy and DPO's reference model alike) is built on the meta device, reading
     nothing, when `cpu_ram_efficient_loading` asks for it and the path is a local directory of safetensors; the
     backend then reads each rank's shards from that directory. The user's `model_init_kwargs` are restored after.
-    Not with `peft_config` (the library would put adapters on meta tensors) or a `device_map` of the user's."""
+    Not with `peft_config` (the library would put adapters on meta tensors), a `device_map` of the user's, or
+    `use_kernels=True`: hub kernels are not put on a model built on the meta device (`use_kernels=False`, which
+    transformers < 5.25 defaulted to; from 5.25 on `from_pretrained` kernelizes by default, and raises for a
+    meta-device model)."""
     kwargs = getattr(args, "model_init_kwargs", False)
     path = Path(model) if isinstance(model, str | os.PathLike) else None
     if (kwargs is False or path is None or peft_config is not None or not getattr(args, "fsdp_enabled", False)
             or not args.fsdp_config.cpu_ram_efficient_loading or "device_map" in (kwargs or {})
+            or (kwargs or {}).get("use_kernels")
             or not (path / "config.json").is_file() or not any(path.glob("*.safetensors"))):
         yield
         return
-    args.model_init_kwargs = {**(kwargs or {}), "device_map": "meta"}
+    args.model_init_kwargs = {**(kwargs or {}), "device_map": "meta", "use_kernels": False}
     try:
         yield
     finally:

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,14 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# an overridden get_resumed_dataloader is called on the loader of an overridden get_train_dataloader (LoaderPlan);
+# the engine's own batch plan resumes at the checkpoint's step by itself, reading no batch it does not train on
+RESUMED_LOADER_WARNING = (
+    "get_resumed_dataloader is overridden ({owner}) but get_train_dataloader is not: shardtrain's batch plan "
+    "resumes at the checkpoint's step without reading the batches before it, so the override is not called; it is "
+    "called on resume, as Hugging Face calls it, when get_train_dataloader is overridden too")
+
+
 class Trainer(transformers.Trainer):
     """A `transformers.Trainer` whose job runs on shardtrain's FSDP2 engine (see module docstring).
 
@@ -128,8 +137,9 @@ class Trainer(transformers.Trainer):
     `create_optimizer`, `create_scheduler`, `get_decay_parameter_names`, `log`,
     `get_train_dataloader`/`get_eval_dataloader`, `_get_train_sampler`/`_get_eval_sampler`, `_prepare_inputs`,
     `_evaluate`, `_save_checkpoint`, `_load_optimizer_and_scheduler`; an overridden `_save` is called by
-    `save_model`. Every other method of Hugging Face's is inherited or replaced (`hf_methods`: overriding a
-    replaced one is refused when the subclass is built). The engine's own public members, which its parts
+    `save_model`, an overridden `get_resumed_dataloader` (transformers >= 5.25) by a resume of an overridden
+    `get_train_dataloader`'s loader. Every other method of Hugging Face's is inherited or replaced (`hf_methods`:
+    overriding a replaced one is refused when the subclass is built). The engine's own public members, which its parts
     (`train/hooks.py`) read: `runtime`, `spec`, `preparation`, `loss_computer`, `pipeline`, `overrides(name)`,
     `custom_loss`, `call_event(event)`, `training_plan()`, `checkpoint_manager`.
 
@@ -446,9 +456,15 @@ class Trainer(transformers.Trainer):
         """The training batches' part (at the per-device batch `auto_find_batch_size` came down to) and its plan:
         the engine's, or an overridden `get_train_dataloader`'s."""
         data = self._training_data()
+        # Hugging Face's get_resumed_dataloader (transformers >= 5.25), called on resume where _run_epoch calls it
+        resumed = hasattr(transformers.Trainer, "get_resumed_dataloader") and self.overrides("get_resumed_dataloader")
         if not self.overrides("get_train_dataloader"):
+            if resumed and self.rank == 0:
+                warnings.warn(RESUMED_LOADER_WARNING.format(owner=owner(type(self), "get_resumed_dataloader")
+                                                            .__qualname__), stacklevel=2)
             return data, self._own_plan(data)
-        return data, data.plan(self.get_train_dataloader, owner(type(self), "get_train_dataloader").__qualname__)
+        return data, data.plan(self.get_train_dataloader, owner(type(self), "get_train_dataloader").__qualname__,
+                               resumed=self.get_resumed_dataloader if resumed else None)
 
     def _own_plan(self, data: TrainingData) -> BatchPlan | StreamPlan:
         """The engine's plan over the train dataset, in the order of `_get_train_sampler` when it gives one."""

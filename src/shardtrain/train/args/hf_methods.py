@@ -26,6 +26,10 @@ from shardtrain.model_facts import base_model
 HONOURED: dict[str, str] = {
     "_save": "save_model calls it on rank 0 with self.model a whole CPU copy (from the gathered weights), as "
              "Hugging Face calls it on the main process; else the engine writes the files from every rank",
+    "get_resumed_dataloader": "a resume inside an epoch calls it on an overridden get_train_dataloader's loader, with "
+                              "the micro-batches the finished steps used, and reads the epoch's batches from what it "
+                              "returns (Hugging Face's default skips them); the engine's own batch plan resumes at "
+                              "the step without it (a warning says so)",
 }
 
 INHERITED: dict[str, str] = {

@@ -102,12 +102,14 @@ class TrainingData:
             pin_memory=args.dataloader_pin_memory and device.type == "cuda",
             prefetch_factor=args.dataloader_prefetch_factor, rank=runtime.rank, drop_last=args.dataloader_drop_last)
 
-    def plan(self, user_loader: Callable[[], Any] | None = None, owner: str = "", sampler: Any = None) -> Plan:
+    def plan(self, user_loader: Callable[[], Any] | None = None, owner: str = "", sampler: Any = None,
+             resumed: Callable[[Any, int], Any] | None = None) -> Plan:
         """The plan of the steps: a user's loader's (`user_loader`: an overridden `get_train_dataloader`,
-        defined by the class `owner`; called once), a stream's, or shardtrain's own batch plan (over the epochs'
-        orders of `sampler`, Hugging Face's `_get_train_sampler`, when it gives one)."""
+        defined by the class `owner`; called once; `resumed`: an overridden `get_resumed_dataloader`, see
+        `LoaderPlan`), a stream's, or shardtrain's own batch plan (over the epochs' orders of `sampler`, Hugging
+        Face's `_get_train_sampler`, when it gives one)."""
         if user_loader is not None:
-            return self._user_loader_plan(user_loader, owner)
+            return self._user_loader_plan(user_loader, owner, resumed)
         if is_stream(self.dataset):
             return StreamPlan(self.dataset, self.collator, self.per_process_batch, self.accumulation_steps,
                               dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.data_seed,
@@ -156,12 +158,13 @@ class TrainingData:
         micro = other.micro_batches(other.permutation(epoch), step, epoch)
         return [loading.__getitems__(indices) for indices in micro], [min(ix) < 0 for ix in micro]
 
-    def _user_loader_plan(self, user_loader: Callable[[], Any], owner: str) -> LoaderPlan:
+    def _user_loader_plan(self, user_loader: Callable[[], Any], owner: str,
+                          resumed: Callable[[Any, int], Any] | None = None) -> LoaderPlan:
         """The steps of an overridden `get_train_dataloader`, checked to give every rank as many batches."""
         problem, plan = None, None
         try:
             plan = LoaderPlan(user_loader(), self.accumulation_steps, self.per_device_batch, self.dp_size,
-                              counts=per_rank)
+                              counts=per_rank, resumed=resumed)
         except DataError as err:
             problem = str(err)
         agree(problem)

@@ -6,13 +6,14 @@ sentence-transformers' batch samplers), consumed as Hugging Face's training loop
             return DataLoader(self.train_dataset, batch_size=4, collate_fn=my_collate)
 
 `get_train_dataloader()` is called once per `train()`, as Hugging Face calls it. Its batches are this rank's
-micro-batches: each optimizer step takes the next `gradient_accumulation_steps` of them (the last step of an
-epoch takes what is left), the loader's `set_epoch` (and that of the batch sampler inside Accelerate's wrapper)
-is called at each epoch, and a resume skips the batches the finished steps used (Hugging Face's
-`skip_first_batches`). The loss is still the exact mean over the global batch's target tokens. What shardtrain's
-own batch plan adds is off, and a warning says so: which samples a step sees now depends on how the loader
-splits the data over ranks (a plain `DataLoader` gives every rank the same batches), and a resume is exact only
-when the loader yields the same batches in each epoch on every read.
+micro-batches: each optimizer step takes the next `gradient_accumulation_steps` of them (the last step of an epoch
+takes what is left), the loader's `set_epoch` (and that of the batch sampler inside Accelerate's wrapper) is called
+at each epoch, and a resume skips the batches the finished steps used (Hugging Face's `skip_first_batches`; an
+overridden `get_resumed_dataloader`, transformers >= 5.25, is called instead, with the loader and those batches'
+count, and the resumed epoch reads what it returns). The loss is still the exact mean over the global batch's target
+tokens. What shardtrain's own batch plan adds is off, and a warning says so: which samples a step sees now depends
+on how the loader splits the data over ranks (a plain `DataLoader` gives every rank the same batches), and a resume
+is exact only when the loader yields the same batches in each epoch on every read.
 
 A loader without a length (over an `IterableDataset`, e.g. TRL's GRPO on a streamed dataset) is read as
 Hugging Face reads it: `max_steps` is required, a pass ends when the loader runs out and the next pass reads it
@@ -47,6 +48,9 @@ class LoaderPlan:
         per_device_batch_size: for the global batch size of the state and of the checkpoint's check.
         dp_size: data-parallel ranks.
         counts: collective, every rank's micro-batch count of a step (read only for a loader without a length).
+        resumed: an overridden `get_resumed_dataloader(loader, num_batches)` (Hugging Face's, transformers >= 5.25):
+            where a resume starts inside an epoch, the batches of that epoch are read from what it returns, as
+            Hugging Face's `_run_epoch` reads them; None: the finished steps' batches are skipped.
     """
 
     loader: Iterable
@@ -54,6 +58,7 @@ class LoaderPlan:
     per_device_batch_size: int
     dp_size: int
     counts: Callable[[int], list[int]] = lambda n: [n]
+    resumed: Callable[[Iterable, int], Iterable] | None = None
     nothing_read = "get_train_dataloader() gave no batch; check train_dataset and its batch size"
 
     def __post_init__(self) -> None:
@@ -90,9 +95,15 @@ class LoaderPlan:
         inner = getattr(getattr(self.loader, "batch_sampler", None), "batch_sampler", None)
         if callable(getattr(inner, "set_epoch", None)):
             inner.set_epoch(epoch)
-        batches = iter(self.loader)
-        for _ in itertools.islice(batches, start_step * self.accumulation_steps):  # used before the resume
-            pass
+        if start_step and self.resumed is not None:  # Hugging Face's override point, called as _run_epoch calls it
+            loader = self.resumed(self.loader, start_step * self.accumulation_steps)
+            if loader is not self.loader and callable(getattr(loader, "set_epoch", None)):
+                loader.set_epoch(epoch)  # as Hugging Face sets the epoch of the loader it reads
+            batches = iter(loader)
+        else:
+            batches = iter(self.loader)
+            for _ in itertools.islice(batches, start_step * self.accumulation_steps):  # used before the resume
+                pass
         steps = range(start_step, self.steps_per_epoch) if self.batches_per_epoch is not None else \
             itertools.count(start_step)
         for _ in steps:
