@@ -18,11 +18,11 @@ from torch import nn
 from shardtrain.config.fsdp_config import FSDPConfig
 from shardtrain.parallel.context import ContextParallel
 from shardtrain.parallel.dims import Meshes, ParallelDims
-from shardtrain.parallel.expert import apply_ep, without_experts
+from shardtrain.parallel.expert import apply_ep, find_experts, without_experts
 from shardtrain.parallel.fsdp import apply_activation_checkpointing, apply_compile, apply_fsdp, fsdp_units
 from shardtrain.parallel.pipeline import split_for_rank
 from shardtrain.parallel.pipeline_settings import PipelineSettings
-from shardtrain.parallel.tensor import apply_tp, model_tp_plan
+from shardtrain.parallel.tensor import apply_tp, model_tp_plan, refuse_replicated_experts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,8 @@ def apply_layout(model: nn.Module, layout: Layout) -> nn.Module:
         layout.cp.enable(model)
     if dims.tp > 1:
         plan = layout.tp_plan if layout.tp_plan is not None else model_tp_plan(model)
+        if dims.ep == 1 and layout.tp_plan is None and find_experts(model):  # (transformers >= 5.25's MoE plans
+            refuse_replicated_experts(model, dims.tp)                        # no longer name the experts)
         apply_tp(model, meshes.tp, without_experts(model, plan) if dims.ep > 1 else plan,
                  strict=layout.tp_plan is not None)
     if dims.ep > 1:

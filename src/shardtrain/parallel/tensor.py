@@ -103,6 +103,19 @@ def check_tp_sizes(model: nn.Module, tp: int) -> None:
                                       f"that divides it")
 
 
+def refuse_replicated_experts(model: nn.Module, tp: int) -> None:
+    """Routed experts are not tensor-parallel here: without expert parallelism they would stay whole on every tp
+    rank (the model's own plan may not name them at all).
+
+    Raises:
+        TensorParallelError: always, with the fix.
+    """
+    raise TensorParallelError(
+        f"tp_size = {tp}: {type(model).__name__}'s routed experts are not tensor-parallel here; add expert "
+        "parallelism (ep_size > 1, e.g. ep_size = tp_size): the experts are then spread over the ep ranks and only "
+        "attention and dense layers are tensor-parallel")
+
+
 def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = None,
              strict: bool | None = None) -> dict[str, str]:
     """Shard `model`'s planned linear layers over the 1-D `tp` mesh, in place; returns {module name: style}.
