@@ -73,16 +73,12 @@ class ReplicaGate:
         return gate
 
     # -- the job's state: the output directory ------------------------------------------------------------
-    def committed_steps(self) -> int:
-        """The last step the job's record holds (0: none), as this group's rank 0 reads it."""
-        return committed_steps(self.trainer, self.record)
-
     def _check_job(self, step: int) -> None:
         """After the first quorum, when no running group was ahead of this one (it did not heal): the record
         decides. The job finished: exit. The record holds steps past `step` that no running group holds (every
         group died after them): they are trained again from the resumed checkpoint, their lines replaced as they
         commit; from step 0 they cannot be, so the group stops without writing anything."""
-        last = self.committed_steps()
+        last = committed_steps(self.trainer, self.record)
         if last >= self.max_steps:
             exit_finished(self.trainer, last)
         if last <= step:
